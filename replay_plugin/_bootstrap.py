@@ -1,0 +1,152 @@
+"""Activation: from the first import of a watched upstream to patches in place.
+
+Reached three ways, all idempotent:
+
+* the ``.pth`` finder calls :func:`on_watched_import` on the first import of ``megatron``,
+  ``vllm``, ``verl`` or ``skyrl`` in a process;
+* vLLM's ``vllm.general_plugins`` entry point calls :func:`activate` in every vLLM process;
+* users call ``replay_plugin.activate()`` where ``.pth`` files are not processed.
+
+:func:`activate` loads the patch packs (pluggy, entry-point group ``replay_plugin.patches``)
+and registers one wrapt post-import hook per patch trigger module, so every patch is applied
+right after its module executes and before user code can bind the targets. A hook never lets
+an exception escape into the user's import unless ``REPLAY_PLUGIN_STRICT=1``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any, Optional
+
+from . import settings, status
+
+log = logging.getLogger("replay_plugin")
+
+_lock = threading.RLock()
+_generation = 0  # bumped by deactivate(); hooks of an older generation do nothing
+_active = False
+
+
+def _remove_lazy_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_replay_plugin_finder", False)]
+
+
+def _configure_logging(cfg: settings.Settings) -> None:
+    if cfg.log_level:
+        level = logging.getLevelName(cfg.log_level.upper())
+        if isinstance(level, int):
+            log.setLevel(level)
+            if not log.handlers:
+                handler = logging.StreamHandler()
+                handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+                log.addHandler(handler)
+        else:
+            log.warning("replay_plugin: REPLAY_PLUGIN_LOG_LEVEL=%r is not a logging level", cfg.log_level)
+
+
+def activate() -> bool:
+    """Load the patch packs and arm a post-import hook per patch. Idempotent.
+
+    Returns False when ``REPLAY_PLUGIN_DISABLE=1`` (nothing is done), True otherwise.
+    Already-imported targets are patched immediately.
+    """
+    global _active
+    with _lock:
+        _remove_lazy_finder()
+        cfg = settings.load()
+        if cfg.disable:
+            return False
+        if _active:
+            return True
+        _active = True
+        _configure_logging(cfg)
+        if hasattr(os, "register_at_fork") and not _fork_hook_registered:
+            _register_fork_hook()
+        from . import registry
+
+        reg = registry.get()
+        reg.load_packs(strict=cfg.strict)
+        for problem in settings.problems(reg.known_env(), cfg.environ):
+            status.note(problem)
+            log.warning("replay_plugin: %s", problem)
+        generation = _generation
+        to_arm = []
+        for spec in reg.specs.values():
+            if reg.initial_state(spec, cfg) is None:
+                status.record(
+                    status.PatchStatus(spec.name, spec.upstream, None, "not-imported",
+                                       f"waiting for import of {spec.trigger}", list(spec.targets))
+                )
+                to_arm.append(spec)
+    # Outside the lock: hooks of already-imported modules fire right here (wrapt calls them
+    # immediately), and a hook may import modules that take other threads' import locks.
+    import wrapt
+
+    for spec in to_arm:
+        wrapt.register_post_import_hook(_hook(spec.name, generation), spec.trigger)
+    return True
+
+
+_fork_hook_registered = False
+
+
+def _register_fork_hook() -> None:
+    """A forked child inherits the parent's patches and records; give it its own status file."""
+    global _fork_hook_registered
+    _fork_hook_registered = True
+    os.register_at_fork(after_in_child=status.write_file)
+
+
+def _hook(name: str, generation: int):
+    def on_import(module: Any) -> None:
+        if generation != _generation or not _active:
+            return
+        from . import registry
+
+        cfg = settings.load()
+        try:
+            registry.get().apply(name, cfg)
+        except Exception:
+            if cfg.strict:
+                raise
+            log.exception("replay_plugin: unexpected failure applying %s", name)
+
+    on_import.__name__ = f"replay_plugin_apply_{name.replace('.', '_')}"
+    return on_import
+
+
+def deactivate() -> list:
+    """Revert every patch this plugin applied in this process; hooks still pending are
+    disarmed. ``activate()`` may be called again afterwards."""
+    global _active, _generation
+    with _lock:
+        _remove_lazy_finder()
+        if not _active:
+            return []
+        from . import registry
+
+        _generation += 1
+        _active = False
+        return registry.get().revert_all()
+
+
+def is_active() -> bool:
+    return _active
+
+
+def on_watched_import(name: str, path: Any = None, target: Any = None) -> Optional[Any]:
+    """Called by the .pth finder on the first import of a watched top-level name.
+
+    Activates, then lets wrapt's import-hook finder answer for ``name``: the triggering
+    import already passed ``sys.meta_path[0]``, so without this delegation a hook on the
+    triggering module itself would never fire.
+    """
+    _remove_lazy_finder()
+    activate()
+    for finder in sys.meta_path:
+        if type(finder).__name__ == "ImportHookFinder" and type(finder).__module__.startswith("wrapt"):
+            return finder.find_spec(name, path, target)
+    return None

@@ -1,0 +1,67 @@
+"""Typed errors for bad replay data.
+
+Every error names the field that is wrong and, where it applies, the trajectory and token
+index and what was expected, so a user can find the offending sample in a batch of thousands.
+They subclass ``ValueError`` (or ``TypeError``) so callers that catch the builtin still work.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def _where(field: str, trajectory: Optional[int], token: Optional[int]) -> str:
+    parts = [f"field {field!r}"]
+    if trajectory is not None:
+        parts.append(f"trajectory {trajectory}")
+    if token is not None:
+        parts.append(f"token {token}")
+    return ", ".join(parts)
+
+
+class ReplayDataError(ValueError):
+    """Replay data with a wrong value, shape or layout.
+
+    Attributes ``field``, ``trajectory`` (batch row or trajectory index, or None),
+    ``token`` (token index within the trajectory, or None) and ``expected`` (text).
+    """
+
+    def __init__(
+        self,
+        field: str,
+        problem: str,
+        *,
+        trajectory: Optional[int] = None,
+        token: Optional[int] = None,
+        expected: Optional[str] = None,
+    ) -> None:
+        self.field = field
+        self.trajectory = trajectory
+        self.token = token
+        self.expected = expected
+        message = f"{_where(field, trajectory, token)}: {problem}"
+        if expected:
+            message += f" (expected {expected})"
+        super().__init__(message)
+
+
+class ReplayTypeError(TypeError):
+    """Replay data of the wrong Python type or dtype; same attributes as ReplayDataError."""
+
+    def __init__(
+        self,
+        field: str,
+        problem: str,
+        *,
+        trajectory: Optional[int] = None,
+        token: Optional[int] = None,
+        expected: Optional[str] = None,
+    ) -> None:
+        self.field = field
+        self.trajectory = trajectory
+        self.token = token
+        self.expected = expected
+        message = f"{_where(field, trajectory, token)}: {problem}"
+        if expected:
+            message += f" (expected {expected})"
+        super().__init__(message)

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""Build the test environments of envs/envs.toml and run the tests in them. Standard library only.
+
+    python3 scripts/envs.py ensure NAME        # print the venv path, building it if needed
+    python3 scripts/envs.py lock NAME          # re-resolve envs/NAME.in into envs/NAME.lock
+    python3 scripts/envs.py wheel              # build the plugin wheel into dist/
+    python3 scripts/envs.py test [NAME ...] [-- PYTEST ARGS]   # what scripts/test runs
+    python3 scripts/envs.py run NAME -- CMD... # run CMD with NAME's venv first on PATH
+
+Venvs live in $REPLAY_VENVS (default ~/.cache/replay-plugin/venvs) under NAME-<hash of the lock
+file and Python version>, so a venv is reused only while its pinned requirements are unchanged;
+.venvs/NAME in the repo links to the current one and .venv links to .venvs/main.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENVS_DIR = os.path.join(ROOT, "envs")
+INSTALL_SCHEME = "1"  # bump to force every cached venv to be rebuilt
+TORCH_FAMILY = {"torch", "torchaudio", "torchvision", "torchcodec"}
+
+
+def log(msg: str) -> None:
+    print(f"[envs {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def config() -> dict:
+    with open(os.path.join(ENVS_DIR, "envs.toml"), "rb") as fh:
+        return tomllib.load(fh)
+
+
+def python_for(version: str) -> str:
+    """A working interpreter of ``version`` ("3.11"): pyenv's versions first, then PATH
+    (pyenv's shims on PATH fail for versions that are not selected, so each is tried)."""
+    pyenv_root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    candidates = sorted(glob.glob(os.path.join(pyenv_root, "versions", f"{version}.*", "bin", f"python{version}")))
+    exe = shutil.which(f"python{version}")
+    if exe:
+        candidates.append(exe)
+    for c in candidates:
+        if subprocess.run([c, "-c", "pass"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
+            return c
+    raise SystemExit(f"no working Python {version} found ({pyenv_root}/versions or PATH); install it with pyenv")
+
+
+def venv_root() -> str:
+    return os.environ.get("REPLAY_VENVS") or os.path.expanduser("~/.cache/replay-plugin/venvs")
+
+
+def lock_path(name: str) -> str:
+    return os.path.join(ENVS_DIR, f"{name}.lock")
+
+
+def env_key(name: str) -> str:
+    cfg = config()[name]
+    with open(lock_path(name), "rb") as fh:
+        lock = fh.read()
+    py = subprocess.run([python_for(cfg["python"]), "-c", "import sys; print(sys.version)"],
+                        check=True, stdout=subprocess.PIPE, text=True).stdout
+    return hashlib.sha256(lock + py.encode() + INSTALL_SCHEME.encode()).hexdigest()[:12]
+
+
+def pip(venv: str, *args: str) -> None:
+    """Run pip in ``venv``; drops the machine's noise about absent local index folders."""
+    cmd = [os.path.join(venv, "bin", "python"), "-m", "pip", "--disable-pip-version-check", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "is ignored: it is neither a file nor a directory" not in line:
+            sys.stderr.write(line)
+    if proc.wait() != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+
+
+def _link(link: str, target: str) -> None:
+    os.makedirs(os.path.dirname(link), exist_ok=True)
+    if os.path.islink(link) or os.path.exists(link):
+        if os.path.islink(link) and os.readlink(link) == target:
+            return
+        if os.path.isdir(link) and not os.path.islink(link):
+            shutil.rmtree(link)
+        else:
+            os.unlink(link)
+    os.symlink(target, link)
+
+
+def ensure(name: str) -> str:
+    """The venv of ``name``, built from its lock file unless a complete one exists."""
+    cfg = config()[name]
+    path = os.path.join(venv_root(), f"{name}-{env_key(name)}")
+    if not os.path.exists(os.path.join(path, ".complete")):
+        log(f"building {name} in {path} (Python {cfg['python']}, {lock_path(name)})")
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(venv_root(), exist_ok=True)
+        subprocess.run([python_for(cfg["python"]), "-m", "venv", path], check=True)
+        pip(path, "install", "-q", "--upgrade", "pip")
+        pip(path, "install", "-q", "--no-deps", "-r", lock_path(name))
+        with open(os.path.join(path, ".complete"), "w") as fh:
+            fh.write(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+        log(f"built {name}")
+        for old in glob.glob(os.path.join(venv_root(), f"{name}-*")):
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+    _link(os.path.join(ROOT, ".venvs", name), path)
+    if name == "main":
+        _link(os.path.join(ROOT, ".venv"), path)
+    return path
+
+
+def _requires(wheel: str) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode()
+    reqs = []
+    for line in text.splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = line.split(":", 1)[1].strip()
+            if "extra ==" in req:
+                continue
+            pkg = req.replace(">", " ").replace("<", " ").replace("=", " ").replace(";", " ").replace("!", " ")
+            pkg = pkg.replace("[", " ").split()[0].lower()
+            if pkg not in TORCH_FAMILY:
+                reqs.append(req)
+    return reqs
+
+
+def lock(name: str) -> None:
+    """Resolve envs/NAME.in (plus the Requires-Dist of its no_deps packages, minus the torch
+    family) in a scratch venv and write the exact versions to envs/NAME.lock."""
+    cfg = config()[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        venv = os.path.join(tmp, "venv")
+        subprocess.run([python_for(cfg["python"]), "-m", "venv", venv], check=True)
+        pip(venv, "install", "-q", "--upgrade", "pip")
+        pip(venv, "install", "torch==2.13.0")  # first: the other packages then keep it
+        extra: list[str] = []
+        wheels = []
+        for req in cfg.get("no_deps", []):
+            d = os.path.join(tmp, "dl")
+            pip(venv, "download", "-q", "--no-deps", "-d", d, req)
+            wheels = glob.glob(os.path.join(d, "*.whl"))
+        for w in wheels:
+            extra += _requires(w)
+        reqfile = os.path.join(tmp, "extra.txt")
+        with open(reqfile, "w") as fh:
+            fh.write("\n".join(extra) + "\n")
+        pip(venv, "install", "-r", os.path.join(ENVS_DIR, f"{name}.in"), "-r", reqfile)
+        if wheels:
+            pip(venv, "install", "--no-deps", *wheels)
+        frozen = subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "list", "--format=freeze",
+                                 "--exclude", "pip"], check=True, stdout=subprocess.PIPE, text=True).stdout
+    lines = sorted((ln for ln in frozen.splitlines() if ln and not ln.lower().startswith("replay-plugin")),
+                   key=str.lower)
+    with open(lock_path(name), "w") as fh:
+        fh.write(f"# Generated by `python3 scripts/envs.py lock {name}` from envs/{name}.in; do not edit.\n")
+        fh.write("\n".join(lines) + "\n")
+    log(f"wrote {lock_path(name)} ({len(lines)} packages)")
+
+
+def build_wheel() -> str:
+    """Build the plugin wheel with the main env's hatchling (no network) into dist/."""
+    venv = ensure("main")
+    dist = os.path.join(ROOT, "dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", dist, ROOT], check=True)
+    (wheel,) = glob.glob(os.path.join(dist, "replay_plugin-*.whl"))
+    return wheel
+
+
+def install_wheel(venv: str, wheel: str) -> None:
+    pip(venv, "install", "-q", "--no-deps", "--force-reinstall", wheel)
+
+
+def run_tests(names: list[str], pytest_args: list[str]) -> int:
+    cfg = config()
+    names = names or list(cfg)
+    wheel = build_wheel()
+    log(f"wheel {wheel}")
+    summary = []
+    for name in names:
+        venv = ensure(name)
+        install_wheel(venv, wheel)
+        env = dict(os.environ)
+        for k in list(env):
+            if k.startswith("REPLAY_PLUGIN_"):
+                del env[k]
+        env.update(
+            REPLAY_TEST_ENV=name,
+            REPLAY_TEST_UPSTREAMS=",".join(cfg[name]["upstreams"]),
+            REPLAY_TEST_WHEEL=wheel,
+            PATH=os.path.join(venv, "bin") + os.pathsep + env.get("PATH", ""),
+        )
+        env.pop("PYTHONPATH", None)
+        cmd = [os.path.join(venv, "bin", "python"), "-m", "pytest", "-p", "no:cacheprovider",
+               "--rootdir", ROOT, *[os.path.join(ROOT, t) for t in cfg[name]["tests"]], *pytest_args]
+        log(f"[{name}] {' '.join(cmd[2:])}")
+        start = time.time()
+        # Run from a directory outside the checkout so that `import replay_plugin` resolves to
+        # the installed wheel, not to the source tree.
+        rc = subprocess.run(cmd, env=env, cwd=os.path.join(ROOT, "tests")).returncode
+        if rc == 5:  # pytest: no tests collected (an environment whose test folders are still empty)
+            log(f"[{name}] no tests collected")
+            rc = 0
+        summary.append((name, rc, time.time() - start))
+    for name, rc, secs in summary:
+        log(f"{name}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
+    return 0 if all(rc == 0 for _, rc, _ in summary) else 1
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    cmd, rest = argv[0], argv[1:]
+    extra: list[str] = []
+    if "--" in rest:
+        i = rest.index("--")
+        rest, extra = rest[:i], rest[i + 1:]
+    if cmd == "ensure":
+        for name in rest:
+            print(ensure(name))
+        return 0
+    if cmd == "lock":
+        for name in rest or list(config()):
+            lock(name)
+        return 0
+    if cmd == "wheel":
+        print(build_wheel())
+        return 0
+    if cmd == "install":
+        wheel = build_wheel()
+        for name in rest:
+            install_wheel(ensure(name), wheel)
+        return 0
+    if cmd == "test":
+        return run_tests(rest, extra)
+    if cmd == "run":
+        (name,) = rest
+        venv = ensure(name)
+        env = dict(os.environ, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""))
+        return subprocess.run(extra, env=env).returncode
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Regenerate what is derived from compat_matrix.yaml and the patch registry.
+
+    python scripts/sync.py            # rewrite replay_plugin.pth, pyproject extras, README tables
+    python scripts/sync.py --check    # exit 1 (with a diff) when any of them is out of date
+    <env>/bin/python scripts/sync.py --fingerprints
+                                      # record target fingerprints of the upstream versions
+                                      # installed in <env> (tested versions only)
+
+Runs from the source tree (it puts the checkout first on sys.path).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ["REPLAY_PLUGIN_DISABLE"] = "1"  # inspect upstream code without activating patches
+
+from replay_plugin import _pth, compat, settings  # noqa: E402
+
+MATRIX = os.path.join(ROOT, "compat_matrix.yaml")
+
+
+def own_specs() -> list:
+    """Specs of this package's own packs (from pyproject's entry points, not the installed ones)."""
+    import importlib
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        eps = tomllib.load(fh)["project"]["entry-points"]["replay_plugin.patches"]
+    specs = []
+    for module in eps.values():
+        specs.extend(importlib.import_module(module).replay_plugin_patches())
+    return specs
+
+
+def extras_block(matrix: compat.Matrix) -> str:
+    lines = []
+    for up in matrix.upstreams.values():
+        for dist, extra in up.distributions.items():
+            lines.append(f'{extra} = ["{dist}{compat.format_spec(up.supported)}"]')
+    return "\n".join(sorted(lines))
+
+
+def versions_table(matrix: compat.Matrix) -> str:
+    rows = ["| upstream | distributions (extra) | supported | tested in CI |", "| --- | --- | --- | --- |"]
+    for up in matrix.upstreams.values():
+        dists = ", ".join(f"`{d}` (`[{e}]`)" for d, e in up.distributions.items())
+        rows.append(f"| {up.key} | {dists} | `{compat.format_spec(up.supported)}` | {', '.join(up.tested)} |")
+    return "\n".join(rows)
+
+
+def patches_table(matrix: compat.Matrix) -> str:
+    rows = ["| patch | upstream | versions | default | toggle | fingerprinted | what it fixes |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p in matrix.patches.values():
+        why = " ".join(p.why.split())
+        first = why.split(". ")[0].rstrip(".") + "."
+        printed = ", ".join(p.fingerprints) or "-"
+        rows.append(f"| `{p.name}` | {p.upstream} | `{compat.format_spec(p.versions)}` | {'on' if p.default else 'off'} | "
+                    f"`{p.env}` | {printed} | {first} |")
+    return "\n".join(rows)
+
+
+def env_table(specs: list) -> str:
+    rows = ["| variable | meaning |", "| --- | --- |"]
+    for name, meaning in settings.GLOBALS.items():
+        rows.append(f"| `{name}` | {meaning} |")
+    for spec in sorted(specs, key=lambda s: s.name):
+        rows.append(f"| `{spec.env}` | `0`/`1`: patch `{spec.name}` (default {'on' if spec.default else 'off'}) |")
+        for knob in spec.knobs:
+            rows.append(f"| `{knob.env}` | {knob.help} (default `{knob.default}`) |")
+    return "\n".join(rows)
+
+
+def replace_between(text: str, name: str, body: str) -> str:
+    begin, end = f"<!-- BEGIN generated:{name} -->", f"<!-- END generated:{name} -->"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
+    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
+
+
+def generated() -> dict[str, str]:
+    """path -> expected content."""
+    compat._CACHE.clear()
+    matrix = compat.load(MATRIX)
+    out = {os.path.join(ROOT, "replay_plugin.pth"): _pth.pth_line()}
+
+    path = os.path.join(ROOT, "pyproject.toml")
+    with open(path) as fh:
+        text = fh.read()
+    pattern = re.compile(r"(\[project\.optional-dependencies\]\n)(.*?)(\n\n)", re.S)
+    out[path] = pattern.sub(lambda m: m.group(1) + extras_block(matrix) + m.group(3), text, count=1)
+
+    path = os.path.join(ROOT, "README.md")
+    with open(path) as fh:
+        text = fh.read()
+    text = replace_between(text, "versions", versions_table(matrix))
+    text = replace_between(text, "patches", patches_table(matrix))
+    text = replace_between(text, "env", env_table(own_specs()))
+    out[path] = text
+    return out
+
+
+def record_fingerprints() -> None:
+    """Write fingerprints of the installed, tested upstream versions into compat_matrix.yaml,
+    keeping the rest of the file (comments included) as it is."""
+    compat._CACHE.clear()
+    matrix = compat.load(MATRIX)
+    with open(MATRIX) as fh:
+        text = fh.read()
+    for name, patch in matrix.patches.items():
+        up = matrix.upstreams[patch.upstream]
+        _, version = compat.installed_version(up)
+        if version is None:
+            continue
+        public = compat.parse_version(version).public
+        if public not in up.tested or not compat.version_in(version, patch.versions):
+            print(f"skip {name}: {patch.upstream} {version} is not a tested version")
+            continue
+        check = compat.check_fingerprints(patch.targets, {}, version)
+        if check.state == "missing":
+            raise SystemExit(f"{name}: {check.detail}")
+        prints = dict(patch.fingerprints)
+        prints[public] = check.fingerprints
+        text = _replace_fingerprints(text, name, prints, patch.targets)
+        print(f"{name}: recorded {public}")
+    with open(MATRIX, "w") as fh:
+        fh.write(text)
+
+
+def _replace_fingerprints(text: str, name: str, prints: dict, targets: tuple) -> str:
+    lines = text.splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.rstrip() == f"  {name}:")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  ") and not lines[i].startswith("   ")
+                or (lines[i].strip() and not lines[i].startswith(" "))), len(lines))
+    block = lines[start:end]
+    fp_start = next((i for i, ln in enumerate(block) if ln.startswith("    fingerprints:")), None)
+    new = ["    fingerprints:\n"]
+    for version in sorted(prints, key=compat.parse_version):
+        new.append(f'      "{version}":\n')
+        for t in targets:
+            new.append(f'        "{t}": "{prints[version][t]}"\n')
+    if fp_start is None:
+        insert_at = next(i for i, ln in enumerate(block) if ln.startswith("    why:"))
+        block[insert_at:insert_at] = new
+    else:
+        fp_end = next((i for i in range(fp_start + 1, len(block)) if not block[i].startswith("      ")), len(block))
+        block[fp_start:fp_end] = new
+    return "".join(lines[:start] + block + lines[end:])
+
+
+def main(argv: list[str]) -> int:
+    if "--fingerprints" in argv:
+        record_fingerprints()
+        return 0
+    stale = []
+    for path, content in generated().items():
+        with open(path) as fh:
+            current = fh.read()
+        if current != content:
+            stale.append(path)
+            if "--check" in argv:
+                sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), content.splitlines(True),
+                                                           path, path + " (generated)"))
+            else:
+                with open(path, "w") as fh:
+                    fh.write(content)
+                print(f"updated {os.path.relpath(path, ROOT)}")
+    if "--check" in argv and stale:
+        print(f"\nout of date: {', '.join(os.path.relpath(p, ROOT) for p in stale)}; run python scripts/sync.py")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

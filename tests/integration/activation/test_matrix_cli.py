@@ -1,0 +1,129 @@
+"""`replay-plugin matrix --check` and `doctor` against real installs, and what the runtime does
+with an out-of-range version or a changed fingerprint."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import need, run_python
+
+pytestmark = pytest.mark.timeout(600)
+
+CLI = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
+PATCH = "megatron.router_replay_scope"
+
+
+def cli(*args, env=None):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+    full.update(env or {})
+    return subprocess.run([CLI, *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+
+
+def shipped_matrix():
+    from replay_plugin import compat
+
+    with open(compat.default_path()) as fh:
+        return yaml.safe_load(fh)
+
+
+def installed(dist):
+    from importlib.metadata import version
+
+    return version(dist)
+
+
+def write(tmp_path, raw):
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def test_matrix_check_passes_on_the_tested_environment():
+    proc = cli("matrix", "--check")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "matrix check: OK" in proc.stdout
+    report = json.loads(cli("matrix", "--json").stdout)
+    env_upstreams = os.environ.get("REPLAY_TEST_UPSTREAMS", "").split(",")
+    checked = [p for p in report["patches"] if p["upstream"] in env_upstreams and p["state"] != "not-installed"]
+    # every patch of an upstream this environment tests has fingerprints that match
+    assert checked and all(p["state"] == "match" for p in checked), checked
+
+
+def test_matrix_check_fails_on_an_out_of_range_version(tmp_path):
+    need("megatron-core")
+    raw = shipped_matrix()
+    v = installed("megatron-core")
+    entry = raw["patches"][PATCH]
+    entry["versions"] = f"!={v}"
+    entry["fingerprints"] = {k: p for k, p in (entry.get("fingerprints") or {}).items() if k != v}
+    proc = cli("matrix", "--check", env={"REPLAY_PLUGIN_MATRIX": write(tmp_path, raw)})
+    assert proc.returncode == 1
+    assert f"FAIL {PATCH}: megatron-core {v} is outside the supported range" in proc.stdout
+
+
+def test_matrix_check_fails_on_a_changed_fingerprint(tmp_path):
+    need("megatron-core")
+    raw = shipped_matrix()
+    v = installed("megatron-core")
+    prints = raw["patches"][PATCH]["fingerprints"][v]
+    target = next(iter(prints))
+    prints[target] = "sha256:0000000000000000"
+    proc = cli("matrix", "--check", env={"REPLAY_PLUGIN_MATRIX": write(tmp_path, raw)})
+    assert proc.returncode == 1
+    assert f"FAIL {PATCH}: source of {target} differs from the fingerprint recorded for {v}" in proc.stdout
+
+
+STATE = "import megatron.core, json, replay_plugin; print('REPORT' + json.dumps({r['name']: r for r in replay_plugin.status()}))"
+
+
+def _state(env):
+    proc = run_python(STATE, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])[PATCH], proc
+
+
+def test_runtime_skips_out_of_range_unless_allowed(tmp_path):
+    need("megatron-core")
+    raw = shipped_matrix()
+    v = installed("megatron-core")
+    entry = raw["patches"][PATCH]
+    entry["versions"] = f"!={v}"
+    entry["fingerprints"] = {}
+    path = write(tmp_path, raw)
+    row, proc = _state({"REPLAY_PLUGIN_MATRIX": path})
+    assert row["state"] == "skipped-version" and v in row["reason"]
+    assert "not applied" in proc.stderr  # logged, once
+    row, _ = _state({"REPLAY_PLUGIN_MATRIX": path, "REPLAY_PLUGIN_ALLOW_UNSUPPORTED": "1"})
+    assert row["state"] == "applied" and "ALLOW_UNSUPPORTED" in row["reason"]
+    proc = run_python("import megatron.core", env={"REPLAY_PLUGIN_MATRIX": path, "REPLAY_PLUGIN_STRICT": "1"})
+    assert proc.returncode != 0 and "UnsupportedVersionError" in proc.stderr
+
+
+def test_runtime_refuses_drifted_source(tmp_path):
+    need("megatron-core")
+    raw = shipped_matrix()
+    v = installed("megatron-core")
+    prints = raw["patches"][PATCH]["fingerprints"][v]
+    prints[next(iter(prints))] = "sha256:0000000000000000"
+    path = write(tmp_path, raw)
+    row, _ = _state({"REPLAY_PLUGIN_MATRIX": path})
+    assert row["state"] == "error" and "fingerprint drift" in row["reason"]
+    proc = run_python("import megatron.core", env={"REPLAY_PLUGIN_MATRIX": path, "REPLAY_PLUGIN_STRICT": "1"})
+    assert proc.returncode != 0 and "FingerprintDriftError" in proc.stderr
+
+
+def test_doctor():
+    proc = cli("doctor")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "doctor: no problems found" in proc.stdout
+    proc = cli("doctor", env={"VLLM_PLUGINS": "some_other_plugin"})
+    assert proc.returncode == 1 and "VLLM_PLUGINS='some_other_plugin' excludes 'replay_plugin'" in proc.stdout
+    proc = cli("doctor", env={"REPLAY_PLUGIN_STRCT": "1"})
+    assert proc.returncode == 1 and "did you mean REPLAY_PLUGIN_STRICT" in proc.stdout
+    proc = cli("doctor", "--json", env={"REPLAY_PLUGIN_DISABLE": "1"})
+    report = json.loads(proc.stdout)
+    assert any("REPLAY_PLUGIN_DISABLE" in n for n in report["notes"])

@@ -1,0 +1,50 @@
+import pytest
+
+from replay_plugin import settings
+
+
+def test_toggle_name():
+    assert settings.toggle_name("megatron.router_replay_scope") == "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE"
+    assert settings.toggle_name("ulysses.nd_partition") == "REPLAY_PLUGIN_ULYSSES_ND_PARTITION"
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("ON", True), ("yes", True),
+                                            ("0", False), ("false", False), ("off", False), ("", False)])
+def test_parse_bool(value, expected):
+    assert settings.parse_bool("X", value) is expected
+
+
+def test_parse_bool_rejects_garbage():
+    with pytest.raises(settings.SettingError, match="REPLAY_PLUGIN_STRICT='maybe'"):
+        settings.parse_bool("REPLAY_PLUGIN_STRICT", "maybe")
+
+
+def test_load_and_toggle():
+    cfg = settings.load({"REPLAY_PLUGIN_STRICT": "1", "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE": "0",
+                         "REPLAY_PLUGIN_STATUS_DIR": "/tmp/x"})
+    assert cfg.strict and not cfg.disable and not cfg.allow_unsupported
+    assert cfg.status_dir == "/tmp/x"
+    assert cfg.toggle("megatron.router_replay_scope") is False
+    assert cfg.toggle("vllm.sample_support") is None
+
+
+def test_bad_global_value_is_not_fatal_but_reported():
+    env = {"REPLAY_PLUGIN_STRICT": "sure"}
+    assert settings.load(env).strict is False
+    assert any("REPLAY_PLUGIN_STRICT='sure'" in p for p in settings.problems([], env))
+
+
+def test_disable_matches_pth_rule():
+    for value in ("1", "true", "TRUE", "on", "yes"):
+        assert settings.disabled({"REPLAY_PLUGIN_DISABLE": value})
+    for value in ("0", "", "no", "2"):
+        assert not settings.disabled({"REPLAY_PLUGIN_DISABLE": value})
+
+
+def test_unknown_names_reported_with_suggestion():
+    known = {"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE"}
+    env = {"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCPOE": "0", "REPLAY_PLUGIN_STRICT": "1", "OTHER": "x"}
+    problems = settings.problems(known, env)
+    assert problems == [
+        "unknown variable REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCPOE; did you mean REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE?"
+    ]
