@@ -1,0 +1,435 @@
+"""Routed experts (R3): compact per-trajectory arrays, batch padding, per-stage replay data.
+
+Shapes and names used throughout:
+
+* ``T`` tokens of one trajectory, ``B`` batch rows, ``S`` padded sequence length,
+  ``L`` MoE layers of the whole model, ``L_local`` layers of one pipeline stage,
+  ``K`` experts per token (top-k).
+* Per trajectory the engine returns ``[T_captured, L, K]`` expert ids. ``T_captured`` (the
+  array's length) is the captured prefix: rows exist for the first ``T_captured`` valid
+  tokens and for nothing after them.
+* Routes stay in their compact dtype (uint8 if every id < 2**8, else int16 if < 2**15,
+  else int32) through transport, batching and device moves. Only the pipeline-stage-local
+  layers are ever widened to int32, at the very end (:func:`local_replay_data`).
+* A *padding row* is ``[0, 1, ..., K-1]`` in every layer: K distinct dummy experts, which
+  keeps Megatron's dropless invariant (every token routes to exactly K distinct experts)
+  without touching the token dispatcher. Every padding row is marked True in the router
+  padding mask.
+
+The router padding mask contract (``[B, S]`` bool, True = no captured route): the row in
+the routes tensor at a True position is a placeholder. The trainer must not treat it as a
+replayed route; for tokens no loss-bearing target depends on (alignment padding, the
+uncaptured suffix) the placeholder is harmless, and for a declared synthetic EOS source
+(see :class:`replay_plugin.core.trace.RoutedExpertTrace`) the trainer's own router must
+route the token. Padding positions are also excluded from router statistics (aux loss,
+expert-bias token counts).
+
+numpy only at import; torch is imported inside the functions that return tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ROUTE_DTYPES",
+    "TrajectoryRoutes",
+    "compact",
+    "padding_rows",
+    "pad_batch",
+    "select_layers",
+    "split_for_replay",
+    "local_replay_data",
+]
+
+#: The compact route dtypes, narrowest first.
+ROUTE_DTYPES: tuple[np.dtype, ...] = (np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.int32))
+# Largest expert id each compact dtype holds (int16/int32 keep the sign bit unused so that a
+# torch conversion never sees a value it could read as negative).
+_ROUTE_MAX = {np.dtype(np.uint8): 2**8 - 1, np.dtype(np.int16): 2**15 - 1, np.dtype(np.int32): 2**31 - 1}
+
+ArrayLike = Union[np.ndarray, "torch.Tensor"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrajectoryRoutes:
+    """One trajectory's routes over all its tokens, with the rows that carry no route.
+
+    Attributes:
+        routes: ``[T, L, K]`` compact dtype; rows where ``router_padding_mask`` is True are
+            padding rows ``[0..K-1]``.
+        router_padding_mask: ``[T]`` bool, True where the engine captured no route.
+
+    :func:`pad_batch` takes these as well as plain captured-prefix arrays.
+    """
+
+    routes: np.ndarray
+    router_padding_mask: np.ndarray
+
+    @property
+    def captured_rows(self) -> int:
+        """Number of rows with a captured route."""
+        return int(np.count_nonzero(~self.router_padding_mask))
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "device")
+
+
+def _host_array(arr: Any, field: str, trajectory: Union[int, None] = None) -> np.ndarray:
+    """numpy view of a numpy array or a (possibly CUDA) tensor; lists are refused."""
+    if isinstance(arr, np.ndarray):
+        return arr
+    if _is_tensor(arr):
+        host: np.ndarray = arr.detach().cpu().numpy()
+        return host
+    raise ReplayTypeError(
+        field, f"got {type(arr).__name__}", trajectory=trajectory,
+        expected="a numpy array or torch tensor [tokens, layers, topk]",
+    )
+
+
+def _compact_dtype(max_id: int) -> np.dtype:
+    for dtype in ROUTE_DTYPES:
+        if max_id <= _ROUTE_MAX[dtype]:
+            return dtype
+    raise AssertionError("unreachable")  # pragma: no cover - callers check < 2**31 first
+
+
+def _check_route_values(a: np.ndarray, field: str, trajectory: Union[int, None]) -> int:
+    """Validate dtype and range of expert ids; return the maximum id (0 when empty)."""
+    if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
+        raise ReplayTypeError(
+            field, f"dtype {a.dtype} holds no expert ids", trajectory=trajectory, expected="an integer dtype"
+        )
+    if a.size == 0:
+        return 0
+    lo, hi = a.min(), a.max()
+    if lo < 0:
+        bad = int(np.argmax(a.reshape(a.shape[0], -1).min(axis=1) < 0))
+        raise ReplayDataError(
+            field, f"negative expert id {int(lo)}", trajectory=trajectory, token=bad, expected="ids >= 0"
+        )
+    if hi >= 2**31:
+        bad = int(np.argmax(a.reshape(a.shape[0], -1).max(axis=1) >= 2**31))
+        raise ReplayDataError(
+            field, f"expert id {int(hi)} does not fit int32", trajectory=trajectory, token=bad, expected="ids < 2**31"
+        )
+    return int(hi)
+
+
+def _check_int(value: Any, field: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ReplayTypeError(field, f"got {type(value).__name__}", expected="an int")
+    if value < minimum:
+        raise ReplayDataError(field, f"got {value}", expected=f">= {minimum}")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------
+# compact arrays
+
+
+def compact(arr: ArrayLike, *, trajectory: Union[int, None] = None) -> np.ndarray:
+    """Routes ``[T, L, K]`` in the smallest safe dtype, C-contiguous.
+
+    Args:
+        arr: ``[T, L, K]`` non-negative integer expert ids; a numpy array or a torch tensor
+            (moved to the host). Lists are refused (their dtype would be a guess).
+        trajectory: index used in error messages.
+
+    Returns:
+        ``[T, L, K]`` uint8 (max id < 2**8), int16 (< 2**15) or int32 (< 2**31),
+        C-contiguous. When ``arr`` already is exactly that, it is returned as is (no copy,
+        same writeability); otherwise a new array.
+
+    Raises:
+        ReplayTypeError: not an array; bool or float dtype.
+        ReplayDataError: ndim != 3; a negative id; an id >= 2**31 (names the token).
+    """
+    a = _host_array(arr, "routed_experts", trajectory)
+    if a.ndim != 3:
+        raise ReplayDataError(
+            "routed_experts", f"shape {a.shape}", trajectory=trajectory, expected="[tokens, layers, topk]"
+        )
+    dtype = _compact_dtype(_check_route_values(a, "routed_experts", trajectory))
+    if a.dtype == dtype and a.flags.c_contiguous:
+        return a
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def padding_rows(n: int, num_layers: int, topk: int, dtype: Any = np.uint8) -> np.ndarray:
+    """``n`` padding rows: ``[n, num_layers, topk]`` with every row ``[0, 1, ..., topk-1]``.
+
+    Args:
+        n, num_layers, topk: non-negative sizes.
+        dtype: a route dtype (uint8, int16, int32) that can hold ``topk - 1``.
+
+    Returns:
+        A new, writable, C-contiguous ``[n, num_layers, topk]`` array of ``dtype``.
+
+    Raises:
+        ReplayTypeError: a size that is not an int; a dtype outside the route dtypes.
+        ReplayDataError: a negative size; ``topk - 1`` does not fit ``dtype``.
+    """
+    n = _check_int(n, "n")
+    num_layers = _check_int(num_layers, "num_layers")
+    topk = _check_int(topk, "topk")
+    dt = np.dtype(dtype)
+    if dt not in _ROUTE_MAX:
+        raise ReplayTypeError("dtype", f"got {dt}", expected="uint8, int16 or int32")
+    if topk - 1 > _ROUTE_MAX[dt]:
+        raise ReplayDataError("topk", f"{topk} dummy experts do not fit {dt}", expected="a wider dtype")
+    out = np.empty((n, num_layers, topk), dtype=dt)
+    out[...] = np.arange(topk, dtype=dt)
+    return out
+
+
+def _mask_host(attention_mask: Any) -> np.ndarray:
+    if _is_tensor(attention_mask):
+        attention_mask = attention_mask.detach().cpu().numpy()
+    if not isinstance(attention_mask, np.ndarray):
+        raise ReplayTypeError(
+            "attention_mask", f"got {type(attention_mask).__name__}", expected="a [batch, seq] array or tensor"
+        )
+    if attention_mask.ndim != 2:
+        raise ReplayDataError("attention_mask", f"shape {attention_mask.shape}", expected="[batch, seq]")
+    if attention_mask.dtype == np.bool_:
+        return attention_mask
+    if not np.issubdtype(attention_mask.dtype, np.integer):
+        raise ReplayTypeError("attention_mask", f"dtype {attention_mask.dtype}", expected="bool or 0/1 integers")
+    bad = (attention_mask != 0) & (attention_mask != 1)
+    if bad.any():
+        b, s = np.argwhere(bad)[0]
+        raise ReplayDataError("attention_mask", f"value {attention_mask[b, s]}", trajectory=int(b), token=int(s), expected="0 or 1")
+    return attention_mask.astype(bool)
+
+
+def pad_batch(
+    route_arrays: Sequence[Union[ArrayLike, TrajectoryRoutes]],
+    attention_mask: ArrayLike,
+) -> tuple[np.ndarray, "torch.Tensor"]:
+    """Batch ragged per-trajectory routes onto a padded ``[B, S]`` token grid.
+
+    Trajectory ``i``'s rows go, in order, to the first ``len(rows)`` valid positions of
+    ``attention_mask[i]`` (valid = True/1; a left-padded batch puts them at
+    ``[S - len_i, S - len_i + rows)``). Every other position gets a padding row and True in
+    the mask.
+
+    Args:
+        route_arrays: ``B`` entries, each either a captured-prefix array ``[T_i, L, K]``
+            (numpy or tensor, any non-negative integer dtype; ``T_i`` may be 0) or a
+            :class:`TrajectoryRoutes` (its mask is kept per token). All share ``[L, K]``.
+        attention_mask: ``[B, S]`` bool or 0/1 (numpy or tensor).
+
+    Returns:
+        ``routes``: ``[B, S, L, K]`` numpy in the widest dtype among the inputs (uint8 <
+        int16 < int32), widened further only if ``K - 1`` does not fit;
+        ``router_padding_mask``: ``[B, S]`` bool torch tensor on the CPU, True where no
+        captured route exists (padding, uncaptured suffix, rows a TrajectoryRoutes marks).
+
+    Raises:
+        ReplayTypeError / ReplayDataError: naming the trajectory, for more rows than valid
+        tokens, mismatched ``[L, K]``, wrong ndim, invalid ids or a bad mask; also for a
+        batch size that differs from ``len(route_arrays)`` or an empty batch.
+    """
+    import torch
+
+    mask = _mask_host(attention_mask)
+    if isinstance(route_arrays, (np.ndarray, str, bytes)) or _is_tensor(route_arrays):
+        raise ReplayTypeError("route_arrays", f"got {type(route_arrays).__name__}", expected="a sequence of per-trajectory arrays")
+    batch, seq = mask.shape
+    if len(route_arrays) != batch:
+        raise ReplayDataError("route_arrays", f"{len(route_arrays)} trajectories for attention_mask of {batch} rows", expected=f"{batch}")
+    if batch == 0:
+        raise ReplayDataError("route_arrays", "empty batch", expected="at least one trajectory (it fixes [L, K])")
+
+    rows: list[np.ndarray] = []
+    row_masks: list[Union[np.ndarray, None]] = []
+    lk: Union[tuple[int, int], None] = None
+    widest = ROUTE_DTYPES[0]
+    valid_counts = mask.sum(axis=1)
+    for i, entry in enumerate(route_arrays):
+        if isinstance(entry, TrajectoryRoutes):
+            a, m = _host_array(entry.routes, "routed_experts", i), np.asarray(entry.router_padding_mask)
+            if m.dtype != np.bool_ or m.shape != a.shape[:1]:
+                raise ReplayDataError("router_padding_mask", f"shape {m.shape} dtype {m.dtype}", trajectory=i, expected=f"bool [{a.shape[0] if a.ndim else '?'}]")
+        else:
+            a, m = _host_array(entry, "routed_experts", i), None
+        if a.ndim != 3:
+            raise ReplayDataError("routed_experts", f"shape {a.shape}", trajectory=i, expected="[tokens, layers, topk]")
+        if lk is None:
+            lk = (a.shape[1], a.shape[2])
+        elif a.shape[1:] != lk:
+            raise ReplayDataError("routed_experts", f"[L, K] = {list(a.shape[1:])}", trajectory=i, expected=f"{list(lk)} like trajectory 0")
+        if a.shape[0] > valid_counts[i]:
+            raise ReplayDataError(
+                "routed_experts", f"{a.shape[0]} route rows for {int(valid_counts[i])} valid tokens", trajectory=i,
+                expected=f"at most {int(valid_counts[i])} rows",
+            )
+        if a.dtype not in _ROUTE_MAX:
+            a = compact(a, trajectory=i)  # e.g. int64 from a caller: validate and narrow
+        elif a.dtype != np.uint8:
+            _check_route_values(a, "routed_experts", i)  # signed: rule out negative ids
+        if a.dtype.itemsize > widest.itemsize:
+            widest = a.dtype
+        rows.append(a)
+        row_masks.append(m)
+    assert lk is not None
+    num_layers, topk = lk
+    while topk - 1 > _ROUTE_MAX[widest]:
+        widest = ROUTE_DTYPES[ROUTE_DTYPES.index(widest) + 1]
+
+    out = np.empty((batch, seq, num_layers, topk), dtype=widest)
+    out[...] = np.arange(topk, dtype=widest)
+    padding = np.ones((batch, seq), dtype=bool)
+    for i, (a, m) in enumerate(zip(rows, row_masks)):
+        n = a.shape[0]
+        if n == 0:
+            continue
+        positions = np.flatnonzero(mask[i])[:n]
+        first = positions[0]
+        if positions[-1] - first == n - 1:  # contiguous (the left-padded case): one slice copy
+            out[i, first : first + n] = a
+            padding[i, first : first + n] = False if m is None else m
+        else:
+            out[i, positions] = a
+            padding[i, positions] = False if m is None else m
+    return out, torch.from_numpy(padding)
+
+
+# ---------------------------------------------------------------------------------------
+# pipeline-stage replay data
+
+
+def _layer_index_array(layer_indices: Any, num_layers: int) -> np.ndarray:
+    if _is_tensor(layer_indices):
+        layer_indices = layer_indices.detach().cpu().numpy()
+    if isinstance(layer_indices, (str, bytes)) or not isinstance(layer_indices, (Sequence, np.ndarray, range)):
+        raise ReplayTypeError("layer_indices", f"got {type(layer_indices).__name__}", expected="a sequence of global layer indices")
+    idx = np.asarray(layer_indices)
+    if idx.size == 0:
+        idx = idx.astype(np.int64)
+    if idx.ndim != 1 or idx.dtype == np.bool_ or not np.issubdtype(idx.dtype, np.integer):
+        raise ReplayTypeError("layer_indices", f"{idx.dtype} array of shape {idx.shape}", expected="a 1-D sequence of ints")
+    if idx.size:
+        bad = (idx < 0) | (idx >= num_layers)
+        if bad.any():
+            raise ReplayDataError("layer_indices", f"index {int(idx[bad][0])} out of range", expected=f"0 <= index < {num_layers} (the routes' layer count)")
+        if np.unique(idx).size != idx.size:
+            raise ReplayDataError("layer_indices", f"duplicates in {idx.tolist()}", expected="distinct layers (one per router)")
+    return idx.astype(np.int64, copy=False)
+
+
+def _check_routes(routes: Any) -> None:
+    if isinstance(routes, np.ndarray):
+        ok = routes.dtype != np.bool_ and np.issubdtype(routes.dtype, np.integer)
+    elif _is_tensor(routes):
+        import torch
+
+        ok = routes.dtype not in (torch.bool,) and not routes.dtype.is_floating_point and not routes.dtype.is_complex
+    else:
+        raise ReplayTypeError("routes", f"got {type(routes).__name__}", expected="a numpy array or torch tensor")
+    if not ok:
+        raise ReplayTypeError("routes", f"dtype {routes.dtype}", expected="integer expert ids")
+    if routes.ndim not in (3, 4):
+        raise ReplayDataError("routes", f"shape {tuple(routes.shape)}", expected="[tokens, L, K] or [batch, seq, L, K]")
+
+
+def select_layers(routes: ArrayLike, layer_indices: Union[Sequence[int], ArrayLike]) -> ArrayLike:
+    """The layers of one pipeline stage, in the compact dtype.
+
+    Args:
+        routes: ``[B, S, L, K]`` or ``[T, L, K]`` (numpy or tensor, any device).
+        layer_indices: ``[L_local]`` distinct global layer indices in ``[0, L)`` (the
+            routers' global layer numbers minus one, in the order of the stage's routers).
+
+    Returns:
+        ``[B, S, L_local, K]`` / ``[T, L_local, K]``, same type, dtype and device as
+        ``routes`` (a new array/tensor; the input is unchanged).
+
+    Raises:
+        ReplayTypeError / ReplayDataError: bad ``routes`` shape or dtype; an index out of
+        range or repeated.
+    """
+    _check_routes(routes)
+    idx = _layer_index_array(layer_indices, int(routes.shape[-2]))
+    if isinstance(routes, np.ndarray):
+        return np.take(routes, idx, axis=routes.ndim - 2)
+    import torch
+
+    return routes.index_select(routes.dim() - 2, torch.from_numpy(idx).to(routes.device))
+
+
+def _as_torch(x: ArrayLike) -> "torch.Tensor":
+    import torch
+
+    if isinstance(x, np.ndarray):
+        with warnings.catch_warnings():
+            # Read-only arrays (e.g. decoded from bytes) are only read here.
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(x)
+    return x
+
+
+def _layers_first_int32(routes: "torch.Tensor", layers: Sequence[int]) -> list["torch.Tensor"]:
+    """Copy ``routes[..., layer, :]`` for each layer into one int32 ``[L_local, N, K]`` block."""
+    import torch
+
+    k = routes.shape[-1]
+    tokens = int(np.prod(routes.shape[:-2]))
+    out = torch.empty((len(layers), tokens, k), dtype=torch.int32, device=routes.device)
+    flat = routes.reshape(tokens, routes.shape[-2], k)
+    for j, layer in enumerate(layers):
+        out[j].copy_(flat[:, layer, :])  # the only widening copy, one pass per local layer
+    return list(out.unbind(0))
+
+
+def split_for_replay(routes_local: ArrayLike) -> list["torch.Tensor"]:
+    """Per-layer int32 replay data, as Megatron's ``RouterReplay.set_replay_data`` takes it.
+
+    Args:
+        routes_local: ``[B, T, L_local, K]`` or ``[T, L_local, K]`` expert ids of the local
+            layers (numpy or tensor, any integer dtype, any device).
+
+    Returns:
+        ``L_local`` tensors ``[B*T, K]`` int32, each contiguous, on the input's device;
+        views into one ``[L_local, B*T, K]`` block.
+    """
+    _check_routes(routes_local)
+    t = _as_torch(routes_local)
+    return _layers_first_int32(t, range(int(t.shape[-2])))
+
+
+def local_replay_data(routes: ArrayLike, layer_indices: Union[Sequence[int], ArrayLike]) -> list["torch.Tensor"]:
+    """:func:`select_layers` + int32 + :func:`split_for_replay` in one pass.
+
+    Only the selected layers are read and widened: no intermediate copy of the selection,
+    and never an int32 copy of all ``L`` layers.
+
+    Args:
+        routes: ``[B, S, L, K]`` or ``[T, L, K]`` compact routes (numpy or tensor, any device).
+        layer_indices: ``[L_local]`` distinct global layer indices of this stage's routers,
+            in router order.
+
+    Returns:
+        ``L_local`` contiguous int32 tensors ``[B*S, K]`` (or ``[T, K]``), on the device of
+        ``routes``, entry ``j`` for global layer ``layer_indices[j]``.
+    """
+    _check_routes(routes)
+    idx = _layer_index_array(layer_indices, int(routes.shape[-2]))
+    return _layers_first_int32(_as_torch(routes), idx.tolist())
