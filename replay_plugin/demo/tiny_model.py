@@ -31,7 +31,7 @@ CORPUS = (
 
 @dataclass(frozen=True)
 class TinyMoEConfig:
-    vocab_size: int = 512
+    vocab_size: int = 512  # upper bound for the BPE trainer; the model gets the tokenizer's size
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 2
@@ -97,7 +97,7 @@ def build_tiny_moe(directory: Optional[str] = None, config: Optional[TinyMoEConf
         raise ValueError(f"tokenizer has {vocab} tokens, more than vocab_size={cfg.vocab_size}")
 
     hf_config = Qwen3MoeConfig(
-        vocab_size=cfg.vocab_size,
+        vocab_size=vocab,  # the trained tokenizer's size (the small corpus may stop below cfg.vocab_size)
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         moe_intermediate_size=cfg.moe_intermediate_size,
