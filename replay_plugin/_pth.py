@@ -20,39 +20,34 @@ from __future__ import annotations
 #: Top-level import names of every patch target (checked against compat_matrix.yaml by a test).
 WATCHED = ("megatron", "skyrl", "verl", "vllm")
 
+#: Executed only when the plugin is not disabled and no finder is armed yet. The finder is a
+#: plain function carrying ``find_spec`` and a marker as attributes: compiling a class body
+#: costs more start-up time than the function alone.
 FINDER_SOURCE = '''
-def arm(sys):
-    import os
-    if os.environ.get("REPLAY_PLUGIN_DISABLE", "").lower() in ("1", "true", "yes", "on"):
-        return
-    if any(getattr(f, "_replay_plugin_finder", 0) for f in sys.meta_path):
-        return
-
-    class ReplayPluginFinder:
-        _replay_plugin_finder = 1
-
-        @staticmethod
-        def find_spec(name, path=None, target=None):
-            if name.partition(".")[0] not in WATCHED:
-                return None
-            try:
-                from replay_plugin._bootstrap import on_watched_import
-                return on_watched_import(name, path, target)
-            except Exception as exc:
-                if getattr(exc, "replay_plugin_strict", False):
-                    raise
-                sys.stderr.write("replay_plugin: activation failed on import of %r: %r\\n" % (name, exc))
-
-    sys.meta_path.insert(0, ReplayPluginFinder)
-
-try:
-    arm(sys)
-except Exception:
-    pass
+def find_spec(name, path=None, target=None):
+    if name.partition(".")[0] in WATCHED:
+        try:
+            from replay_plugin._bootstrap import on_watched_import
+            return on_watched_import(name, path, target)
+        except Exception as exc:
+            if getattr(exc, "replay_plugin_strict", False):
+                raise
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not find_spec]
+            sys.stderr.write("replay_plugin: activation failed on import of %r: %r\\n" % (name, exc))
+find_spec.find_spec = find_spec
+find_spec._replay_plugin_finder = True
+sys.meta_path.insert(0, find_spec)
 '''
+
+#: The guard runs before anything is compiled: with REPLAY_PLUGIN_DISABLE set (1/true/yes/on,
+#: any case) or a finder already armed (the second run of the line in a venv), nothing else runs.
+GUARD = (
+    'os.environ.get("REPLAY_PLUGIN_DISABLE", "").lower() in ("1", "true", "yes", "on")'
+    ' or any(getattr(f, "_replay_plugin_finder", 0) for f in sys.meta_path)'
+)
 
 
 def pth_line() -> str:
     """The exact content of ``replay_plugin.pth`` (one line, starting with ``import``)."""
     source = FINDER_SOURCE.replace("WATCHED", repr(tuple(sorted(WATCHED))))
-    return "import sys; exec(%r, {'sys': sys})\n" % source
+    return "import os, sys; %s or exec(%r, {'sys': sys})\n" % (GUARD, source)
