@@ -142,7 +142,9 @@ def on_watched_import(name: str, path: Any = None, target: Any = None) -> Option
 
     Activates, then lets wrapt's import-hook finder answer for ``name``: the triggering
     import already passed ``sys.meta_path[0]``, so without this delegation a hook on the
-    triggering module itself would never fire.
+    triggering module itself would never fire. (wrapt cannot chain a namespace package's
+    loader, which is None in the spec: a hook on ``megatron`` itself, a namespace package,
+    would not fire; patches trigger on regular packages such as ``megatron.core``.)
     """
     _remove_lazy_finder()
     activate()

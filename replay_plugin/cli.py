@@ -90,8 +90,9 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def matrix_report(check_sources: bool = True) -> dict:
-    """Installed upstream versions and patch fingerprints compared with the matrix."""
+def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
+    """Installed upstream versions and patch fingerprints compared with the matrix
+    (restricted to the upstream keys in ``only`` when given)."""
     from . import _bootstrap, compat
 
     _bootstrap._remove_lazy_finder()  # inspect upstream code without activating patches
@@ -99,7 +100,12 @@ def matrix_report(check_sources: bool = True) -> dict:
     upstreams = []
     problems = []
     installed: dict[str, Optional[str]] = {}
+    unknown = [k for k in only if k not in matrix.upstreams]
+    if unknown:
+        raise SystemExit(f"unknown upstream(s) {', '.join(unknown)}; the matrix has {', '.join(matrix.upstreams)}")
     for key, up in matrix.upstreams.items():
+        if only and key not in only:
+            continue
         dist, version = compat.installed_version(up)
         installed[key] = version
         in_range = None if version is None else compat.version_in(version, up.supported)
@@ -110,6 +116,8 @@ def matrix_report(check_sources: bool = True) -> dict:
         })
     patches = []
     for name, p in matrix.patches.items():
+        if only and p.upstream not in only:
+            continue
         version = installed.get(p.upstream)
         row = {"patch": name, "upstream": p.upstream, "version": version, "versions": compat.format_spec(p.versions)}
         if version is None:
@@ -131,7 +139,7 @@ def matrix_report(check_sources: bool = True) -> dict:
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    report = matrix_report(check_sources=True)
+    report = matrix_report(check_sources=True, only=args.upstreams)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -278,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("matrix", help="compare installed upstreams with compat_matrix.yaml")
     p.add_argument("--check", action="store_true", help="exit 1 on versions outside a range or fingerprint drift")
+    p.add_argument("--upstream", dest="upstreams", action="append", default=[], metavar="KEY",
+                   help="only this upstream (repeatable), e.g. --upstream megatron-core")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_matrix)
 

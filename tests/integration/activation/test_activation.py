@@ -69,17 +69,33 @@ def test_disable_imports_nothing_of_the_plugin():
     assert stderr.count("replay_plugin") == 0
 
 
-def test_per_patch_toggle():
-    out, _ = report({"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE": "0"})
-    assert out["marker"] is None
-    st = out["status"]["megatron.router_replay_scope"]
-    assert st["state"] == "disabled" and st["reason"] == "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE=0"
+LIGHT = r"""
+import json, sys
+import megatron  # the namespace package alone: activation happens, megatron.core stays unimported
+import replay_plugin
+from replay_plugin import status
+print("REPORT" + json.dumps({"rows": {r["name"]: r for r in replay_plugin.status()}, "events": status.events(),
+                             "core_imported": "megatron.core" in sys.modules}))
+"""
 
 
-def test_unknown_variable_is_reported():
-    out, stderr = report({"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCPOE": "0"})
-    assert out["marker"] == "megatron.router_replay_scope"  # the typo did not switch anything off
-    assert "did you mean REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE" in stderr
+def light(env):
+    proc = run_python(LIGHT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:]), proc.stderr
+
+
+def test_toggle_and_unknown_variable():
+    out, stderr = light({"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE": "0",
+                         "REPLAY_PLUGIN_MEGATRON_EXPERT_BIAS_PADING_MASK": "0"})
+    assert not out["core_imported"]
+    rows = out["rows"]
+    assert rows["megatron.router_replay_scope"]["state"] == "disabled"
+    assert rows["megatron.router_replay_scope"]["reason"] == "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE=0"
+    # the misspelt toggle switched nothing off, and is reported with the likely name
+    assert rows["megatron.expert_bias_padding_mask"]["state"] != "disabled"
+    assert "did you mean REPLAY_PLUGIN_MEGATRON_EXPERT_BIAS_PADDING_MASK" in stderr
+    assert any("REPLAY_PLUGIN_MEGATRON_EXPERT_BIAS_PADING_MASK" in e for e in out["events"])
 
 
 def test_status_cli_json_is_clean_json():
@@ -151,7 +167,6 @@ from replay_plugin.hooks import hookimpl
 from replay_plugin.registry import PatchSpec
 
 def boom(patcher):
-    patcher.wrap("megatron.core.parallel_state:initialize_model_parallel", lambda w, i, a, k: w(*a, **k))
     raise RuntimeError("faulty pack exploded")
 
 @hookimpl
@@ -163,27 +178,35 @@ def replay_plugin_patches():
 '''
 
 
-@pytest.fixture
-def faulty_pack(tmp_path):
+def _pack_dir(tmp_path, entry_points):
     (tmp_path / "faulty_pack.py").write_text(FAULTY_PACK)
     (tmp_path / "broken_pack.py").write_text("raise ImportError('broken pack cannot import')\n")
     info = tmp_path / "faulty_pack-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-pack\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[replay_plugin.patches]\nfaulty = faulty_pack\nbroken = broken_pack\n")
+    (info / "entry_points.txt").write_text("[replay_plugin.patches]\n" + entry_points)
     return str(tmp_path)
 
 
+@pytest.fixture
+def faulty_pack(tmp_path):
+    """A pack whose apply raises and a pack that cannot even be imported."""
+    return _pack_dir(tmp_path, "faulty = faulty_pack\nbroken = broken_pack\n")
+
+
+@pytest.fixture
+def faulty_apply_only(tmp_path):
+    (tmp_path / "apply_only").mkdir()
+    return _pack_dir(tmp_path / "apply_only", "faulty = faulty_pack\n")
+
+
 CHECK_FAULTY = r"""
-import inspect, json
+import json
 import megatron.core
-import megatron.core.parallel_state as ps
 import replay_plugin
 from replay_plugin import status
 rows = {r["name"]: r for r in replay_plugin.status()}
 print("REPORT" + json.dumps({"faulty": rows["faulty.pack_patch"], "scope": rows["megatron.router_replay_scope"]["state"],
-      "rolled_back": not hasattr(inspect.getattr_static(ps, "initialize_model_parallel"), "__wrapped__"),
       "events": status.events()}))
 """
 
@@ -193,13 +216,13 @@ def test_faulty_pack_does_not_break_the_import(faulty_pack):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])
     assert out["faulty"]["state"] == "error" and "faulty pack exploded" in out["faulty"]["reason"]
-    assert out["rolled_back"]
     assert out["scope"] == "applied"  # other patches unaffected
     assert any("broken" in e and "cannot import" in e for e in out["events"])
     assert "faulty.pack_patch" in proc.stderr  # logged once
 
 
-def test_strict_mode_raises_in_the_import(faulty_pack):
-    proc = run_python("import megatron.core", env={"PYTHONPATH": faulty_pack, "REPLAY_PLUGIN_STRICT": "1"})
-    assert proc.returncode != 0
-    assert "PatchError" in proc.stderr  # the broken pack raises first under strict
+def test_strict_mode_raises_in_the_import(faulty_pack, faulty_apply_only):
+    proc = run_python("import megatron", env={"PYTHONPATH": faulty_pack, "REPLAY_PLUGIN_STRICT": "1"})
+    assert proc.returncode != 0 and "PatchError: patch pack broken" in proc.stderr
+    proc = run_python("import megatron.core", env={"PYTHONPATH": faulty_apply_only, "REPLAY_PLUGIN_STRICT": "1"})
+    assert proc.returncode != 0 and "PatchApplyError" in proc.stderr and "faulty pack exploded" in proc.stderr
