@@ -1,0 +1,404 @@
+"""``replay-plugin bench logprobs``: support-renormalised logprobs and support capture.
+
+Measured, forward + backward in one process (float32, CPU threads as torch defaults):
+
+- ``support_logprobs_from_hidden`` against the full-vocabulary path a trainer runs today
+  (``hidden @ W.T``, ``log_softmax``, gather) and against the peer, skyrl 0.4.0's fused
+  support path (``sample_support_scores`` with ``lm_head_weight``, at its best chunk size of
+  those tried) when skyrl is importable in this interpreter; on random supports (unique ids per
+  row) and on Zipf-distributed ones (overlapping across tokens, as real top-k supports do).
+- ``support_logprobs`` from logits against ``log_softmax`` + gather.
+- ``support_from_flat_logprobs`` at top_k 20 over 65,536 tokens, from numpy arrays and from
+  Python lists.
+
+Time: best of ``repeats`` runs after one warm-up, all methods in this process; the plugin and
+the peer run interleaved (one round = each once) so that load from neighbours on a shared
+machine hits them alike, and the full path (about 10 s a step) runs once after its warm-up.
+The minimum is the least disturbed run.
+
+Peak memory: each method runs once in a fresh subprocess of this interpreter. It builds the
+inputs, resets the kernel's resident-set high-water mark (``/proc/self/clear_refs`` = 5),
+runs forward + backward and reports ``VmHWM - VmRSS`` before the run: the extra resident memory
+of the step, gradients included. One warm-up step runs first (library initialisation), and glibc
+is told to serve every block of 64 KiB or more by its own mapping (``MALLOC_MMAP_THRESHOLD_``),
+so freed memory goes back to the OS and every allocation of the measured step shows in the
+resident set: this sees torch tensors, which ``tracemalloc`` cannot. Where ``clear_refs`` is not writable the high-water mark
+includes input construction, and the note says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+from replay_plugin.bench import Result
+
+BENCH = "logprobs"
+FULL_SHAPE = {"tokens": 4096, "hidden": 1024, "vocab": 65536, "width": 32}
+QUICK_SHAPE = {"tokens": 256, "hidden": 128, "vocab": 4096, "width": 8}
+PEER_CHUNKS = (4096, 16384, 65536)
+FLAT_TOKENS, FLAT_TOP_K = 65536, 20
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _supports(kind: str, shape: dict, seed: int = 0):
+    """int32 ``[T, W]`` support rows with unique ids per row, and the sampled ids ``[T]``."""
+    import numpy as np
+    import torch
+
+    t, v, w = shape["tokens"], shape["vocab"], shape["width"]
+    rng = np.random.default_rng(seed)
+    if kind == "random":
+        ids = rng.integers(0, v, size=(t, w))
+    else:
+        # Zipf(1.1) over a random permutation of the vocabulary: frequent tokens recur in many
+        # rows. Draw 4W per row with replacement, keep the first W distinct.
+        ranks = np.arange(1, v + 1, dtype=np.float64)
+        cdf = np.cumsum(ranks ** -1.1)
+        cdf /= cdf[-1]
+        perm = rng.permutation(v)
+        draws = perm[np.minimum(np.searchsorted(cdf, rng.random((t, 4 * w))), v - 1)]
+        ids = np.empty((t, w), dtype=np.int64)
+        for i in range(t):
+            _, first = np.unique(draws[i], return_index=True)
+            uniq = draws[i][np.sort(first)][:w]
+            ids[i, : uniq.size] = uniq
+            ids[i, uniq.size :] = rng.integers(0, v, size=w - uniq.size)
+    # make every row's ids distinct (redraw duplicates until none remain)
+    while True:
+        srt = np.sort(ids, axis=1)
+        dup_rows = np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1))
+        if dup_rows.size == 0:
+            break
+        ids[dup_rows, -1] = rng.integers(0, v, size=dup_rows.size)
+        ids[dup_rows] = rng.permuted(ids[dup_rows], axis=1)
+    sampled = ids[np.arange(t), rng.integers(0, w, size=t)]
+    return torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(sampled.astype(np.int64))
+
+
+def _fused_inputs(kind: str, shape: dict):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(shape["tokens"], shape["hidden"], generator=g).requires_grad_()
+    weight = (torch.randn(shape["vocab"], shape["hidden"], generator=g) * 0.02).requires_grad_()
+    upstream = torch.randn(shape["tokens"], generator=g)
+    support, sampled = _supports(kind, shape)
+    return hidden, weight, support, sampled, upstream
+
+
+def _peer():
+    """skyrl 0.4.0's ``sample_support_scores``, or None with the reason."""
+    try:
+        from skyrl.backends.skyrl_train.utils.sample_support_replay import sample_support_scores
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"skyrl not importable here ({type(exc).__name__}: {exc})"
+    return sample_support_scores, ""
+
+
+def _step_fn(method: str, inputs, chunk: Optional[int] = None) -> Callable[[], None]:
+    """One forward + backward of ``method`` on the fused-path inputs (gradients cleared first;
+    ``step.clear()`` frees them)."""
+    import torch
+
+    hidden, weight, support, sampled, upstream = inputs
+
+    def clear():
+        hidden.grad = None
+        weight.grad = None
+
+    if method == "replay":
+        from replay_plugin.core.logprobs import support_logprobs_from_hidden
+
+        def step():
+            clear()
+            out, _ = support_logprobs_from_hidden(hidden, weight, sampled, support)
+            torch.autograd.backward(out, upstream)
+
+    elif method == "full":
+
+        def step():
+            clear()
+            logits = hidden @ weight.t()
+            out = torch.log_softmax(logits, dim=-1).gather(1, sampled.unsqueeze(1)).squeeze(1)
+            torch.autograd.backward(out, upstream)
+
+    elif method == "peer":
+        peer, _ = _peer()
+
+        def step():
+            clear()
+            res = peer(
+                hidden, sampled, support, vocab_start_index=0, vocab_end_index=weight.shape[0], tp_group=None,
+                lm_head_weight=weight, temperature=1.0, chunk_size=chunk,
+            )
+            torch.autograd.backward(res.logprobs, upstream)
+
+    else:
+        raise ValueError(method)
+    step.clear = clear
+    return step
+
+
+def _logits_inputs(shape: dict):
+    import torch
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(shape["tokens"], shape["vocab"], generator=g).requires_grad_()
+    upstream = torch.randn(shape["tokens"], generator=g)
+    support, sampled = _supports("random", shape)
+    return logits, support, sampled, upstream
+
+
+def _logits_step_fn(method: str, inputs) -> Callable[[], None]:
+    import torch
+
+    from replay_plugin.core.logprobs import support_logprobs
+
+    logits, support, sampled, upstream = inputs
+
+    def clear():
+        logits.grad = None
+
+    def step():
+        clear()
+        if method == "logits_support":
+            out, _ = support_logprobs(logits, sampled, support)
+        else:
+            out = torch.log_softmax(logits, dim=-1).gather(1, sampled.unsqueeze(1)).squeeze(1)
+        torch.autograd.backward(out, upstream)
+
+    step.clear = clear
+    return step
+
+
+def _interleaved_best(steps: dict, rounds: int) -> dict:
+    """Best time of each step over ``rounds`` rounds that run every step once, after a warm-up."""
+    for step in steps.values():
+        step()
+    best = {name: float("inf") for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _best_time(step: Callable[[], None], repeats: int) -> float:
+    step()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _measure_here(spec: dict) -> dict:
+    """Runs inside the fresh subprocess: one step of ``spec['method']``, peak RSS delta."""
+    import torch
+
+    shape = spec["shape"]
+    if spec["method"].startswith("logits_"):
+        step = _logits_step_fn(spec["method"], _logits_inputs(shape))
+    else:
+        step = _step_fn(spec["method"], _fused_inputs(spec["kind"], shape), spec.get("chunk"))
+    # Warm up (library initialisation, thread pools, first-touch of lazily created buffers),
+    # then free the gradients so the measured step allocates them again.
+    step()
+    step.clear()
+    gc.collect()
+    reset = True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        reset = False
+    before = _status_kib("VmRSS")
+    step()
+    peak = _status_kib("VmHWM")
+    return {"peak_delta_bytes": (peak - before) * 1024, "hwm_reset": reset}
+
+
+def _measure_peak(spec: dict) -> dict:
+    env = dict(os.environ)
+    # A fixed glibc mmap threshold (which also turns off its dynamic raising) makes every block
+    # of 64 KiB or more its own mapping, returned to the OS on free: memory freed after the
+    # warm-up does not hide the measured step's allocations in a reused heap.
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env["MALLOC_TRIM_THRESHOLD_"] = "65536"
+    proc = subprocess.run(
+        [sys.executable, "-m", "replay_plugin.bench.logprobs", "--measure", json.dumps(spec)],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- flat logprobs
+
+
+def _flat_inputs(tokens: int, top_k: int):
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    vocab = 151_936
+    ids = rng.integers(0, vocab, size=(tokens, top_k + 1)).astype(np.int32)
+    lp = -np.sort(rng.exponential(1.0, size=(tokens, top_k + 1)).cumsum(axis=1), axis=1).astype(np.float32)
+    cut = rng.integers(1, top_k + 1, size=tokens)  # top-p/min-p masked tails
+    lp[np.arange(top_k + 1)[None, :] > cut[:, None]] = -np.inf
+    lp[:, 0] = lp[:, 1]
+    ids[:, 0] = ids[:, 1]
+    width = top_k + 1
+    arrays = {
+        "start_indices": np.arange(tokens, dtype=np.int64) * width,
+        "end_indices": np.arange(1, tokens + 1, dtype=np.int64) * width,
+        "token_ids": ids.reshape(-1),
+        "logprobs": lp.reshape(-1),
+    }
+    lists = {k: v.tolist() for k, v in arrays.items()}
+    return arrays, lists
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run(quick: bool = False) -> list[Result]:
+    """Measure and return the results (see the module docstring)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        return [Result(BENCH, "(not available)", None, note=f"torch is required: {exc}")]
+    from replay_plugin.core.support import support_from_flat_logprobs
+
+    shape = QUICK_SHAPE if quick else FULL_SHAPE
+    repeats = 2 if quick else 5
+    shape_note = "T={tokens} H={hidden} V={vocab} W={width} float32".format(**shape)
+    results: list[Result] = []
+    peer, peer_reason = _peer()
+    py = f"python {sys.version_info.major}.{sys.version_info.minor}"
+
+    for kind in ("random", "zipf"):
+        inputs = _fused_inputs(kind, shape)
+        # The plugin and the peer (each chunk size) run interleaved, round after round, so a
+        # neighbour's load on the shared machine hits all of them alike; best round each.
+        fast = {"replay": _step_fn("replay", inputs)}
+        chunks = PEER_CHUNKS[1:2] if quick else PEER_CHUNKS
+        if peer is not None:
+            fast.update({f"peer_{c}": _step_fn("peer", inputs, c) for c in chunks})
+        best = _interleaved_best(fast, repeats)
+        t_replay = best["replay"]
+        full_repeats = 1 if not quick else repeats  # ~10 s a step at full size
+        t_full = _best_time(_step_fn("full", inputs), full_repeats)
+        best_chunk, t_peer = None, None
+        if peer is not None:
+            best_chunk = min(chunks, key=lambda c: best[f"peer_{c}"])
+            t_peer = best[f"peer_{best_chunk}"]
+        del inputs
+        note = f"{kind} supports, {shape_note}, {py}, fwd+bwd, best of {repeats} interleaved rounds"
+        results.append(Result(BENCH, f"fused_{kind}_time", t_replay * 1e3, "ms", note=note))
+        results.append(
+            Result(BENCH, f"full_{kind}_time", t_full * 1e3, "ms",
+                   note=f"hidden @ W.T, log_softmax, gather; best of {full_repeats}")
+        )
+        results.append(
+            Result(BENCH, f"fused_vs_full_speedup_{kind}", t_full / t_replay, "x", goal=">= 10", note=note)
+        )
+        if peer is None:
+            results.append(Result(BENCH, f"fused_vs_peer_speedup_{kind}", None, "x", goal="> 1", note=peer_reason))
+        else:
+            results.append(
+                Result(BENCH, f"peer_{kind}_time", t_peer * 1e3, "ms", note=f"skyrl 0.4.0, chunk_size={best_chunk}")
+            )
+            results.append(
+                Result(BENCH, f"fused_vs_peer_speedup_{kind}", t_peer / t_replay, "x", goal="> 1",
+                       note=f"peer chunk_size={best_chunk} (best of {chunks})")
+            )
+
+        methods = ["replay"] if quick else ["replay", "full"] + (["peer"] if peer is not None else [])
+        peaks = {}
+        for method in methods:
+            spec = {"method": method, "kind": kind, "shape": shape, "chunk": best_chunk}
+            peaks[method] = _measure_peak(spec)
+        for method, m in peaks.items():
+            value = None if "error" in m else m["peak_delta_bytes"] / 2**20
+            mnote = m.get("error", "fresh subprocess, VmHWM - VmRSS")
+            if m.get("hwm_reset") is False:
+                mnote += " (clear_refs not writable: includes input construction)"
+            results.append(Result(BENCH, f"{method}_{kind}_peak_memory", value, "MiB", note=mnote))
+        if "peer" in peaks and "error" not in peaks["peer"] and "error" not in peaks["replay"]:
+            results.append(
+                Result(
+                    BENCH, f"fused_vs_peer_peak_memory_ratio_{kind}",
+                    peaks["replay"]["peak_delta_bytes"] / peaks["peer"]["peak_delta_bytes"], "x", goal="<= 1",
+                )
+            )
+        elif quick:
+            results.append(
+                Result(BENCH, f"fused_vs_peer_peak_memory_ratio_{kind}", None, "x", goal="<= 1",
+                       note="quick mode measures only the plugin's peak")
+            )
+
+    # support_logprobs from logits vs log_softmax + gather
+    linputs = _logits_inputs(shape)
+    t_sup = _best_time(_logits_step_fn("logits_support", linputs), repeats)
+    t_lsm = _best_time(_logits_step_fn("logits_full", linputs), repeats)
+    del linputs
+    results.append(Result(BENCH, "logits_support_time", t_sup * 1e3, "ms", note=f"{shape_note}, fwd+bwd"))
+    results.append(Result(BENCH, "logits_log_softmax_time", t_lsm * 1e3, "ms", note="log_softmax + gather"))
+    results.append(Result(BENCH, "logits_support_vs_log_softmax_speedup", t_lsm / t_sup, "x"))
+    if not quick:
+        for method in ("logits_support", "logits_full"):
+            m = _measure_peak({"method": method, "shape": shape})
+            value = None if "error" in m else m["peak_delta_bytes"] / 2**20
+            results.append(Result(BENCH, f"{method}_peak_memory", value, "MiB",
+                                  note=m.get("error", "fresh subprocess, VmHWM - VmRSS (logits grad included)")))
+
+    # support rows from flat logprobs
+    tokens = 4096 if quick else FLAT_TOKENS
+    arrays, lists = _flat_inputs(tokens, FLAT_TOP_K)
+    for name, data, goal in (("numpy", arrays, ">= 1000000"), ("lists", lists, None)):
+        t = _best_time(lambda d=data: support_from_flat_logprobs(d, FLAT_TOP_K), 5)
+        results.append(
+            Result(BENCH, f"flat_logprobs_{name}_tokens_per_s", tokens / t, "tok/s", goal=goal,
+                   note=f"top_k {FLAT_TOP_K}, {tokens} tokens, from {'numpy arrays' if name == 'numpy' else 'Python lists'}")
+        )
+    results.append(
+        Result(BENCH, "peer_flat_logprobs_tokens_per_s", None, "tok/s",
+               note="skyrl's converter lives in vllm_server_actor.py, which imports vllm and ray at module level")
+    )
+    return results
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--measure":
+        print(json.dumps(_measure_here(json.loads(argv[1]))))
+        return 0
+    from replay_plugin.bench import format_table
+
+    print(format_table(run(quick="--quick" in argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,601 @@
+"""Support-renormalised logprobs for sampler-support replay.
+
+For a token ``y`` drawn from the support ``S`` recorded at rollout, the trainer scores
+
+    logp(y) = z_y / T - logsumexp_{s in S} z_s / T
+
+where ``z`` are the model's logits and ``T`` the sampling temperature. Three entry points:
+
+- ``support_logprobs``: from logits ``[..., V_local]``.
+- ``support_logprobs_from_hidden``: from hidden states ``[..., H]`` and the LM-head weight
+  ``[V_local, H]``, projecting only the (token, candidate) pairs, never ``[tokens, vocab]``.
+- ``full_vocab_logprobs_fixed_capacity``: the ordinary full-vocabulary logprob for rows that
+  have no support (a synthetic EOS appended after the engine returned), computed for a fixed
+  number of rows so that collectives never depend on the data.
+
+``replay_logprobs`` combines them the way a trainer backend needs it.
+
+Conventions: support ids are global vocabulary ids, ``-1`` (any negative) is padding; a row
+with no member is *invalid* (logprob 0, ``valid`` False). bf16/fp16 inputs are computed in
+float32, float64 inputs in float64; outputs are float32. Ids must lie in the global vocabulary
+(validated on the host by ``replay_plugin.core.support.dense_support_batch``). The math
+functions never sync to check them: an id outside every shard is not a member, and a row with
+no member inside the vocabulary gives ``+inf``; ``replay_logprobs`` reports such rows.
+
+Tensor parallelism: with ``tp_group`` the vocabulary is sharded; this rank holds ids
+``[vocab_start, vocab_start + V_local)`` (logits ``[..., V_local]`` or weight rows
+``[V_local, H]``). Every call makes a fixed number of ``torch.distributed.all_reduce`` calls
+when the group has more than one rank, whatever the data: ``support_logprobs`` and
+``support_logprobs_from_hidden`` 2 (MAX, SUM), ``full_vocab_logprobs_fixed_capacity`` 2 when its
+capacity is positive, ``replay_logprobs`` 4. Values and the gradients of the local shard equal
+the unsharded computation. Like a column-parallel LM head, the hidden-state gradient returned on
+each rank is that rank's partial sum over its vocabulary shard: feed ``hidden`` through
+Megatron's ``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather), exactly as
+``ColumnParallelLinear`` does, so the partial sums are all-reduced in backward.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed
+import torch.nn.functional as F
+
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+
+#: Default (token, candidate) pairs per chunk of the gather projection path: its temporaries are
+#: ``[chunk, H]`` in float32 (32 MiB at H = 1024).
+DEFAULT_CHUNK_SIZE = 8192
+
+_NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def support_logprobs(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    support_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each sampled token renormalised over its recorded support.
+
+    Args:
+        logits: ``[..., V_local]`` raw logits (not yet divided by the temperature), any float
+            dtype; this rank's vocabulary shard when ``tp_group`` is given.
+        sampled_ids: ``[...]`` integer, the token each position is scored for (global ids).
+        support_ids: ``[..., W]`` integer (int32 by contract), global ids, ``-1`` padding.
+        temperature: ``T > 0``; the gathered logits are divided by it. Pass 1.0 when the logits
+            were already divided.
+        vocab_start: first global id of this rank's shard.
+        tp_group: tensor-parallel group sharding the vocabulary, or None.
+
+    Returns:
+        ``(logprobs, valid)``: float32 ``[...]`` and bool ``[...]``; ``valid`` is False for rows
+        without any member, whose logprob is 0. Gradients flow to ``logits`` only at the support
+        and sampled positions. The sampled token is not required to be a member (then the value is
+        not a log-probability; ``dense_support_batch`` guarantees membership).
+    """
+    _check_common(logits, sampled_ids, support_ids, temperature)
+    v_local = logits.shape[-1]
+    prefix = sampled_ids.shape
+    flat = logits.reshape(-1, v_local)
+    sup, member, valid, local_m, local_sup, y_local, ly = _localise(
+        sampled_ids, support_ids, vocab_start, v_local
+    )
+    cdt = _compute_dtype(logits.dtype)
+    w = local_sup.shape[1]
+    # One gather for members and target: its backward writes one dense [N, V_local] gradient
+    # (two gathers would allocate and add two).
+    values = flat.gather(1, torch.cat([local_sup, ly.unsqueeze(1)], dim=1)).to(cdt) / temperature
+    y_values = torch.where(y_local, values[:, w], 0.0)
+    lp = _renormalise(values[:, :w], local_m, y_values, valid, tp_group)
+    return lp.float().reshape(prefix), valid.reshape(prefix)
+
+
+def support_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    support_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_start: int = 0,
+    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``support_logprobs`` fused with the LM head: only (token, candidate) pairs are projected.
+
+    Args:
+        hidden: ``[..., H]`` LM-head input (replicated over ``tp_group``).
+        lm_head_weight: ``[V_local, H]`` this rank's LM-head rows (no bias).
+        sampled_ids, support_ids, temperature, vocab_start, tp_group: as ``support_logprobs``
+            (the temperature is applied inside the projection).
+        chunk_size: (token, candidate) pairs per chunk of the gather path.
+
+    Returns:
+        ``(logprobs, valid)`` as ``support_logprobs``; equal to it on ``hidden @ W.T`` up to
+        rounding, and so are the gradients of ``hidden`` and ``lm_head_weight``.
+
+    The projection is a custom autograd Function that saves only the inputs and ``[N, W+1]``
+    index tensors; nothing of size ``[pairs, H]`` outlives a chunk. Two implementations:
+
+    - sparse (float32/float64 on CPU, hidden and weight of one dtype): the candidates of each
+      row, sorted and de-duplicated, form a CSR pattern; ``torch.sparse.sampled_addmm`` computes
+      the dot products without materialising gathered rows; ``embedding_bag`` with per-sample
+      weights gives the hidden gradient, and gives the weight gradient as one bag per vocabulary
+      row over the pairs sorted by id (every weight row is summed once however many tokens
+      share it, and the dense gradient is written once). Temporaries are ``O(pairs)`` scalars.
+    - gather (bf16/fp16, other devices): chunks of ``chunk_size`` pairs gather weight rows,
+      upcast to float32 and project with ``bmm``; backward re-gathers per chunk. The weight
+      gradient walks the pairs sorted by vocabulary id, sums each chunk's rows in float32 and
+      adds each distinct row once per chunk.
+    """
+    _check_common(hidden, sampled_ids, support_ids, temperature)
+    if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
+        raise ReplayDataError(
+            "lm_head_weight", f"has shape {tuple(lm_head_weight.shape)} for hidden size {hidden.shape[-1]}",
+            expected="[V_local, H]",
+        )
+    chunk = _check_chunk(chunk_size)
+    v_local = lm_head_weight.shape[0]
+    prefix = sampled_ids.shape
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    sup, member, valid, local_m, local_sup, y_local, ly = _localise(
+        sampled_ids, support_ids, vocab_start, v_local
+    )
+    w = local_sup.shape[1]
+    cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
+    local = torch.cat([local_m, y_local.unsqueeze(1)], dim=1)
+    z = _CandidateProjection.apply(
+        flat_h, lm_head_weight, cand, local, 1.0 / temperature, chunk,
+        _projection_method(flat_h, lm_head_weight),
+    )
+    lp = _renormalise(z[:, :w], local_m, z[:, w], valid, tp_group)
+    return lp.float().reshape(prefix), valid.reshape(prefix)
+
+
+def full_vocab_logprobs_fixed_capacity(
+    source: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    needs_full_vocab: torch.Tensor,
+    trajectory_ids: torch.Tensor,
+    capacity: int,
+    *,
+    lm_head_weight: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ordinary full-vocabulary logprob for at most one flagged row per trajectory.
+
+    Args:
+        source: logits ``[..., V_local]``, or hidden ``[..., H]`` when ``lm_head_weight``
+            (``[V_local, H]``) is given.
+        sampled_ids: ``[...]`` the token each position is scored for.
+        needs_full_vocab: ``[...]`` bool, rows to score (e.g. ``loss_mask & ~valid``).
+        trajectory_ids: ``[...]`` integer trajectory index of each row in ``[0, capacity)``;
+            anything else (e.g. -1 for padding) is never scored.
+        capacity: number of trajectories. Exactly ``capacity`` rows are scored whatever the
+            data: the first flagged row of each trajectory, row 0 (discarded) for the others.
+        lm_head_weight, temperature, vocab_start, tp_group: as in ``support_logprobs_from_hidden``.
+
+    Returns:
+        ``(logprobs, selected)``: float32 ``[...]`` (0 where not selected) and bool ``[...]``.
+        A trajectory's second flagged row is not selected; ``replay_logprobs`` reports it.
+
+    Memory is ``[capacity, V_local]``. From hidden states in bf16/fp16 the projection runs in the
+    input dtype (as the trainer's own LM head would) and the softmax in float32.
+    """
+    _check_temperature(temperature)
+    cap = int(capacity)
+    if cap < 0:
+        raise ReplayDataError("capacity", f"got {capacity}", expected=">= 0")
+    dim = source.shape[-1]
+    prefix = sampled_ids.shape
+    if source.shape[:-1] != prefix or needs_full_vocab.shape != prefix or trajectory_ids.shape != prefix:
+        raise ReplayDataError(
+            "sampled_ids", f"shapes {tuple(source.shape)}, {tuple(prefix)}, {tuple(needs_full_vocab.shape)}, "
+            f"{tuple(trajectory_ids.shape)} disagree", expected="source [..., D] and [...] for the rest",
+        )
+    flat = source.reshape(-1, dim)
+    n = flat.shape[0]
+    device = flat.device
+    out_dtype = _compute_dtype(source.dtype if lm_head_weight is None else lm_head_weight.dtype)
+    if cap == 0:
+        return (
+            torch.zeros(prefix, dtype=torch.float32, device=device),
+            torch.zeros(prefix, dtype=torch.bool, device=device),
+        )
+    need = needs_full_vocab.reshape(-1).to(torch.bool)
+    traj = trajectory_ids.reshape(-1).long()
+    y = sampled_ids.reshape(-1).long()
+    positions = torch.arange(n, device=device)
+    in_range = (traj >= 0) & (traj < cap)
+    candidate = torch.where(need & in_range, positions, n)
+    first = torch.full((cap,), n, dtype=torch.long, device=device).scatter_reduce(
+        0, traj.clamp(0, cap - 1), candidate, reduce="amin", include_self=True
+    )
+    has = first < n
+    rows = torch.where(has, first, 0)
+    if n == 0:
+        picked = flat.new_zeros(cap, dim)
+        y_rows = torch.zeros(cap, dtype=torch.long, device=device)
+    else:
+        picked = flat.index_select(0, rows)
+        y_rows = y.index_select(0, rows)
+    if lm_head_weight is None:
+        logits = picked
+    else:
+        if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != dim:
+            raise ReplayDataError(
+                "lm_head_weight", f"has shape {tuple(lm_head_weight.shape)} for hidden size {dim}",
+                expected="[V_local, H]",
+            )
+        logits = picked.to(lm_head_weight.dtype) @ lm_head_weight.t()
+    v_local = logits.shape[-1]
+    z = logits.to(out_dtype) / temperature
+    ly = y_rows - vocab_start
+    y_local = (ly >= 0) & (ly < v_local)
+    y_values = z.gather(1, ly.clamp(0, max(v_local - 1, 0)).unsqueeze(1)).squeeze(1)
+    y_values = torch.where(y_local, y_values, 0.0)
+    lp = _renormalise(z, None, y_values, torch.ones(cap, dtype=torch.bool, device=device), tp_group)
+    target = torch.where(has, first, n)
+    out = torch.zeros(n + 1, dtype=lp.dtype, device=device).scatter_add(0, target, torch.where(has, lp, 0.0))
+    hits = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_add(0, target, has.long())
+    return out[:n].float().reshape(prefix), (hits[:n] > 0).reshape(prefix)
+
+
+class ReplayLogprobs(NamedTuple):
+    """Result of ``replay_logprobs``; all ``[...]`` like the inputs' positions."""
+
+    #: float32; support-renormalised, full-vocabulary for ``full_vocab`` rows, 0 elsewhere.
+    logprobs: torch.Tensor
+    #: bool; a logprob was computed (the row has support, or is a ``full_vocab`` row).
+    valid: torch.Tensor
+    #: bool; loss-bearing rows without support scored over the full vocabulary (synthetic EOS).
+    full_vocab: torch.Tensor
+
+
+def replay_logprobs(
+    source: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    support_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    trajectory_ids: torch.Tensor,
+    num_trajectories: int,
+    *,
+    lm_head_weight: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> ReplayLogprobs:
+    """Replayed logprobs for one microbatch: the helper trainer backends call.
+
+    All per-position inputs are already aligned to the positions of ``source`` (after the
+    backend's next-token shift, packing, context-parallel or Ulysses slicing): position ``p``
+    of ``source`` predicts ``sampled_ids[p]``, whose recorded support is ``support_ids[p]``.
+    Shapes: ``source [..., V_local]`` (logits) or ``[..., H]`` (hidden, with
+    ``lm_head_weight [V_local, H]``); ``sampled_ids``, ``loss_mask``, ``trajectory_ids`` ``[...]``;
+    ``support_ids [..., W]``. ``[...]`` is typically ``[b, s]`` or flattened ``[n]``.
+
+    Args:
+        source: logits or hidden states.
+        sampled_ids: integer target ids.
+        support_ids: int32 support rows (``-1`` padding; all ``-1`` = no support).
+        loss_mask: bool, loss-bearing positions.
+        trajectory_ids: integer, the trajectory (sample) index of each position in
+            ``[0, num_trajectories)``, ``-1`` for padding.
+        num_trajectories: number of trajectories the positions can belong to (identical on all
+            ranks of ``tp_group``): the fixed capacity of the full-vocabulary fallback.
+        lm_head_weight, temperature, vocab_start, tp_group, chunk_size: as
+            ``support_logprobs_from_hidden``. ``temperature`` is applied to logits too: pass 1.0
+            if the caller already divided them.
+
+    Returns:
+        ``ReplayLogprobs(logprobs, valid, full_vocab)``.
+
+    Raises:
+        ReplayDataError: a loss-bearing position has no support and is not its trajectory's
+            first such position (only one synthetic EOS per trajectory can be scored), or its
+            trajectory id is outside ``[0, num_trajectories)``; or a supported row's logprob is
+            not finite (members outside the vocabulary, non-finite logits). Raised after all
+            collectives (one host sync), naming the trajectory and the position's index among
+            that trajectory's positions.
+    """
+    if lm_head_weight is None:
+        lp, valid = support_logprobs(
+            source, sampled_ids, support_ids, temperature=temperature, vocab_start=vocab_start, tp_group=tp_group
+        )
+    else:
+        lp, valid = support_logprobs_from_hidden(
+            source, lm_head_weight, sampled_ids, support_ids, temperature=temperature,
+            chunk_size=chunk_size, vocab_start=vocab_start, tp_group=tp_group,
+        )
+    if loss_mask.shape != sampled_ids.shape:
+        raise ReplayDataError(
+            "loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(sampled_ids.shape)}"
+        )
+    need = loss_mask.to(torch.bool) & ~valid
+    fallback, selected = full_vocab_logprobs_fixed_capacity(
+        source, sampled_ids, need, trajectory_ids, num_trajectories, lm_head_weight=lm_head_weight,
+        temperature=temperature, vocab_start=vocab_start, tp_group=tp_group,
+    )
+    uncovered = need & ~selected
+    nonfinite = valid & ~torch.isfinite(lp)
+    if bool((uncovered | nonfinite).any()):  # one host sync for both checks, after all collectives
+        bad = uncovered if bool(uncovered.any()) else nonfinite
+        traj = trajectory_ids.reshape(-1).long()
+        pos = int(torch.nonzero(bad.reshape(-1))[0, 0])
+        tid = int(traj[pos])
+        ordinal = int((traj[:pos] == tid).sum())
+        target = int(sampled_ids.reshape(-1)[pos])
+        if bad is uncovered:
+            problem = (
+                f"loss-bearing position without support (target id {target}) is not its trajectory's "
+                f"only one, or its trajectory id is outside [0, {num_trajectories})"
+            )
+            expected = "support for every loss-bearing position but one synthetic EOS per trajectory"
+        else:
+            problem = (
+                f"support logprob of target id {target} is not finite: no support member lies in the "
+                "vocabulary (summed over the shards), or the logits are not finite"
+            )
+            expected = "support ids inside the vocabulary and finite logits"
+        raise ReplayDataError("support_ids", problem, trajectory=tid, token=ordinal, expected=expected)
+    logprobs = torch.where(valid, lp, fallback)
+    return ReplayLogprobs(logprobs, valid | selected, selected)
+
+
+# --------------------------------------------------------------------------- shared math
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> None:
+    # Looked up on the module at call time so tests can count calls.
+    torch.distributed.all_reduce(tensor, op=op, group=group)
+
+
+def _tp_size(tp_group) -> int:
+    if tp_group is None:
+        return 1
+    return torch.distributed.get_world_size(tp_group)
+
+
+def _renormalise(
+    values: torch.Tensor,
+    member: Optional[torch.Tensor],
+    y_values: torch.Tensor,
+    valid: torch.Tensor,
+    tp_group,
+) -> torch.Tensor:
+    """``y - logsumexp(values[member])`` per row, summed over the vocabulary shards.
+
+    ``values [N, M]`` (this rank's candidates, any value where ``member`` is False; ``member``
+    None = all), ``y_values [N]`` (0 where the target is not on this rank), ``valid [N]``.
+    One MAX and one SUM all-reduce when the group has more than one rank. The SUM is applied in
+    the straight-through form ``reduced + local - local.detach()``: the value is the global sum,
+    the gradient reaches this rank's own terms only, as the unsharded computation's would.
+    """
+    masked = values if member is None else torch.where(member, values, _NEG_INF)
+    if masked.shape[1] == 0:
+        row_max = torch.full(masked.shape[:1], _NEG_INF, dtype=masked.dtype, device=masked.device)
+    else:
+        row_max = masked.detach().amax(dim=1)
+    distributed = _tp_size(tp_group) > 1
+    if distributed:
+        _all_reduce(row_max, torch.distributed.ReduceOp.MAX, tp_group)
+    shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    exp = torch.exp(masked - shift.unsqueeze(1))
+    stats = torch.stack([exp.sum(dim=1), y_values])
+    if distributed:
+        reduced = stats.detach().clone()
+        _all_reduce(reduced, torch.distributed.ReduceOp.SUM, tp_group)
+        stats = reduced + (stats - stats.detach())
+    denom = torch.where(valid, stats[0], 1.0)
+    lp = stats[1] - shift - torch.log(denom)
+    return torch.where(valid, lp, 0.0)
+
+
+def _localise(sampled_ids, support_ids, vocab_start: int, v_local: int):
+    w = support_ids.shape[-1]
+    sup = support_ids.reshape(-1, w).long()
+    if w == 0:
+        sup = torch.full((sup.shape[0], 1), -1, dtype=torch.long, device=sup.device)
+    y = sampled_ids.reshape(-1).long()
+    member = sup >= 0
+    valid = member.any(dim=1)
+    shifted = sup - vocab_start
+    local_m = member & (shifted >= 0) & (shifted < v_local)
+    local_sup = torch.where(local_m, shifted, 0)
+    ly = y - vocab_start
+    y_local = (y >= 0) & (ly >= 0) & (ly < v_local)
+    ly = torch.where(y_local, ly, 0)
+    return sup, member, valid, local_m, local_sup, y_local, ly
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_temperature(temperature) -> None:
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+
+
+def _check_chunk(chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    return chunk_size
+
+
+def _check_common(source: torch.Tensor, sampled_ids: torch.Tensor, support_ids: torch.Tensor, temperature) -> None:
+    _check_temperature(temperature)
+    if not source.is_floating_point():
+        raise ReplayTypeError("logits", f"got dtype {source.dtype}", expected="a floating-point tensor")
+    for name, t in (("sampled_ids", sampled_ids), ("support_ids", support_ids)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ReplayTypeError(name, f"got dtype {t.dtype}", expected="an integer tensor")
+    if support_ids.dim() < 1 or source.shape[:-1] != sampled_ids.shape or support_ids.shape[:-1] != sampled_ids.shape:
+        raise ReplayDataError(
+            "support_ids",
+            f"shapes {tuple(source.shape)}, {tuple(sampled_ids.shape)}, {tuple(support_ids.shape)} disagree",
+            expected="source [..., D], sampled_ids [...], support_ids [..., W]",
+        )
+
+
+# --------------------------------------------------------------------------- fused projection
+
+
+def _projection_method(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """``"sparse"`` where its kernels exist and were measured (float32/64 on CPU), else ``"gather"``."""
+    if (
+        hidden.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and hidden.dtype == weight.dtype
+        and hidden.dtype in (torch.float32, torch.float64)
+    ):
+        return "sparse"
+    return "gather"
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # "Sparse CSR tensor support is in beta state": the ops used here are covered by tests.
+        warnings.filterwarnings("ignore", message=".*[Ss]parse CSR tensor support is in beta.*")
+        return torch.sparse_csr_tensor(crow, col, values, size=size, check_invariants=False)
+
+
+class _CandidateProjection(torch.autograd.Function):
+    """``z[n, j] = hidden[n] . weight[cand[n, j]] * inv_t`` where ``local[n, j]``, else 0.
+
+    ``hidden [N, H]``, ``weight [V, H]``, ``cand [N, K]`` long in ``[0, V)``, ``local [N, K]``;
+    output ``[N, K]`` float32 (float64 for float64 inputs).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, cand, local, inv_t, chunk_size, method):
+        n, k = cand.shape
+        v = weight.shape[0]
+        cdt = _compute_dtype(weight.dtype)
+        ctx.inv_t, ctx.chunk_size, ctx.method = inv_t, chunk_size, method
+        if n == 0 or k == 0 or v == 0:
+            ctx.save_for_backward(hidden, weight, cand, local)
+            ctx.empty = True
+            return torch.zeros((n, k), dtype=cdt, device=hidden.device)
+        ctx.empty = False
+        if method == "sparse":
+            hidden = hidden.contiguous()
+            key = torch.where(local, cand, v)
+            skey, perm = key.sort(dim=1)
+            svalid = skey < v
+            new = torch.ones_like(svalid)
+            new[:, 1:] = skey[:, 1:] != skey[:, :-1]
+            first = svalid & new
+            cols = torch.arange(k, device=cand.device).expand(n, k)
+            run_start = torch.where(new, cols, 0).cummax(dim=1).values
+            crow = torch.zeros(n + 1, dtype=torch.long, device=cand.device)
+            torch.cumsum(first.sum(dim=1), dim=0, out=crow[1:])
+            col = skey[first]
+            zs = torch.zeros((n, k), dtype=cdt, device=hidden.device)
+            if col.numel():
+                pattern = _csr(crow, col, torch.zeros(col.numel(), dtype=hidden.dtype, device=hidden.device), (n, v))
+                vals = torch.sparse.sampled_addmm(pattern, hidden, weight.t(), beta=0.0, alpha=inv_t).values()
+                zs[first] = vals.to(cdt)
+            zs = torch.where(svalid, zs.gather(1, run_start), 0.0)
+            out = torch.empty_like(zs).scatter_(1, perm, zs)
+            ctx.save_for_backward(hidden, weight, skey, perm, first, svalid, run_start)
+            return out
+        out = torch.empty((n, k), dtype=cdt, device=hidden.device)
+        rows_per_chunk = max(1, chunk_size // k)
+        for s in range(0, n, rows_per_chunk):
+            e = min(n, s + rows_per_chunk)
+            gathered = weight.index_select(0, cand[s:e].reshape(-1)).view(e - s, k, -1).to(cdt)
+            out[s:e] = torch.bmm(gathered, hidden[s:e].to(cdt).unsqueeze(-1)).squeeze(-1) * inv_t
+        out = torch.where(local, out, 0.0)
+        ctx.save_for_backward(hidden, weight, cand, local)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.empty:
+            hidden, weight, _, _ = ctx.saved_tensors
+            return (
+                torch.zeros_like(hidden) if need_h else None,
+                torch.zeros_like(weight) if need_w else None,
+                None, None, None, None, None,
+            )
+        if ctx.method == "sparse":
+            return (*_sparse_backward(ctx, grad_out, need_h, need_w), None, None, None, None, None)
+        return (*_gather_backward(ctx, grad_out, need_h, need_w), None, None, None, None, None)
+
+
+def _sparse_backward(ctx, grad_out, need_h, need_w):
+    hidden, weight, skey, perm, first, svalid, run_start = ctx.saved_tensors
+    n, k = skey.shape
+    v = weight.shape[0]
+    grad_sorted = torch.where(svalid, grad_out.gather(1, perm), 0.0)
+    # Duplicated candidates share one projected value: fold their gradients onto its first copy.
+    grad_pairs = torch.zeros_like(grad_sorted).scatter_add_(1, run_start, grad_sorted) * ctx.inv_t
+    grad_h = grad_w = None
+    if need_h:
+        grad_h = F.embedding_bag(
+            skey.clamp(max=v - 1), weight, per_sample_weights=grad_pairs.to(weight.dtype), mode="sum"
+        ).to(hidden.dtype)
+    if need_w:
+        # Pairs sorted by vocabulary id; one embedding bag per vocabulary row (empty bags give
+        # zeros), so the dense gradient is written once and each row summed once, however many
+        # tokens share it.
+        rows = torch.arange(n, device=skey.device).unsqueeze(1).expand(n, k)[first]
+        cols = skey[first]
+        vals = grad_pairs[first].to(hidden.dtype)
+        order = torch.argsort(cols, stable=True)
+        offsets = torch.zeros(v, dtype=torch.long, device=skey.device)
+        torch.cumsum(torch.bincount(cols, minlength=v)[:-1], dim=0, out=offsets[1:])
+        grad_w = F.embedding_bag(
+            rows.index_select(0, order), hidden, offsets, per_sample_weights=vals.index_select(0, order), mode="sum"
+        ).to(weight.dtype)
+    return grad_h, grad_w
+
+
+def _gather_backward(ctx, grad_out, need_h, need_w):
+    hidden, weight, cand, local = ctx.saved_tensors
+    n, k = cand.shape
+    cdt = grad_out.dtype
+    grad = torch.where(local, grad_out, 0.0) * ctx.inv_t
+    grad_h = grad_w = None
+    chunk = ctx.chunk_size
+    if need_h:
+        grad_h = torch.empty_like(hidden)
+        rows_per_chunk = max(1, chunk // k)
+        for s in range(0, n, rows_per_chunk):
+            e = min(n, s + rows_per_chunk)
+            gathered = weight.index_select(0, cand[s:e].reshape(-1)).view(e - s, k, -1).to(cdt)
+            grad_h[s:e] = torch.bmm(grad[s:e].unsqueeze(1), gathered).squeeze(1).to(hidden.dtype)
+    if need_w:
+        grad_w = torch.zeros_like(weight)
+        pair = torch.nonzero(local.reshape(-1)).squeeze(1)
+        ids = cand.reshape(-1).index_select(0, pair)
+        order = torch.argsort(ids, stable=True)
+        ids = ids.index_select(0, order)
+        pair = pair.index_select(0, order)
+        rows = torch.div(pair, k, rounding_mode="floor")
+        g = grad.reshape(-1).index_select(0, pair)
+        for s in range(0, ids.numel(), chunk):
+            e = min(ids.numel(), s + chunk)
+            uniq, inverse = torch.unique_consecutive(ids[s:e], return_inverse=True)
+            contrib = hidden.index_select(0, rows[s:e]).to(cdt) * g[s:e].unsqueeze(1)
+            acc = torch.zeros((uniq.numel(), hidden.shape[1]), dtype=cdt, device=hidden.device)
+            acc.index_add_(0, inverse, contrib)
+            grad_w.index_add_(0, uniq, acc.to(weight.dtype))
+    return grad_h, grad_w

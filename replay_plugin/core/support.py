@@ -1,0 +1,723 @@
+"""Sampler-support rows: capture from vLLM outputs and the dense trainer batch.
+
+A *support row* lists, for one generated token, the token ids the engine's sampler could have
+drawn after temperature, top-k, top-p and min-p (and any pure masks: allowed ids, bad words,
+grammars). The trainer renormalises the sampled token's logprob over exactly that set
+(``replay_plugin.core.logprobs``). Rows have a fixed width ``W``: int32 ids, most probable
+first where the probabilities are known, ``-1`` only as trailing padding, no duplicates.
+
+Two capture sources, both duck-typed (this module imports no vLLM):
+
+- ``support_from_flat_logprobs``: vLLM's ``FlatLogprobs`` (``SamplingParams.flat_logprobs``,
+  vLLM >= 0.12) requested with ``logprobs=N`` under ``logprobs_mode="processed_logprobs"``. Entry 0
+  of each position is the sampled token, entries ``1..N`` the top-N by processed logprob
+  (descending; the sampled id may repeat there; ``-inf`` for tokens the sampler masked). The
+  recorded row can be narrower than the real support (ties at the k-th logit, an approximate
+  top-k/top-p pivot, ``N < top_k``): such rows are kept as seen and flagged inexact.
+- ``support_from_sampling_mask``: vLLM's native ``SamplingMask`` (vLLM >= 0.28, model runner V2),
+  which lists exactly the surviving ids of each position.
+
+``dense_support_batch`` turns per-trajectory rows into the ``[batch, seq, W]`` trainer tensor,
+validates them, and applies the ``on_inexact`` policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Iterable, Literal, Optional, Union
+
+import numpy as np
+
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+
+logger = logging.getLogger(__name__)
+
+#: Padding id in support rows.
+PAD = -1
+#: Largest token id an int32 row can hold.
+INT32_MAX = int(np.iinfo(np.int32).max)
+#: A row whose finite processed probabilities sum to at least ``1 - DEFAULT_MASS_TOLERANCE`` is
+#: taken to be the whole support. vLLM computes processed logprobs as a float32 ``log_softmax``;
+#: its rounding moves the sum of the kept probabilities off 1 by about ``2**-24 * |logsumexp|``
+#: (1e-6 for logits of size ~10, 1e-5 for ~100). Any mass the row might still miss below this
+#: bound changes the renormalised logprob by less than ``-log(1 - 1e-4) ~= 1e-4`` nats, far below
+#: the bf16 train-inference noise this replay removes (~1e-2), so such rows are exact for
+#: every practical purpose.
+DEFAULT_MASS_TOLERANCE = 1e-4
+
+InexactPolicy = Literal["repair", "mask", "error"]
+_POLICIES = ("repair", "mask", "error")
+
+
+@dataclasses.dataclass
+class SupportRows:
+    """Support rows of one sequence of generated tokens.
+
+    Attributes:
+        ids: int32 ``[T, W]`` token ids, ``-1`` only as trailing padding. Rows from logprobs are
+            ordered by descending probability; rows from a sampling mask put the sampled token
+            first (see ``support_from_sampling_mask``).
+        sampled: int32 ``[T]``, the token the engine sampled at each position (``-1`` for rows
+            without a capture, e.g. observation tokens or a synthetic EOS).
+        sampled_logprob: float32 ``[T]``, the engine's processed logprob of the sampled token
+            (the rollout logprob of the importance ratio); NaN where the source did not carry it.
+        exact: bool ``[T]``, True when the row provably is the sampler's whole support and
+            contains the sampled token.
+
+    Construction validates dtypes, shapes, the id range, trailing-only padding and that exact
+    rows contain their sampled token (``ReplayDataError`` / ``ReplayTypeError`` naming the
+    field and token). Duplicates are checked by ``dense_support_batch``.
+    """
+
+    ids: np.ndarray
+    sampled: np.ndarray
+    sampled_logprob: np.ndarray
+    exact: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.ids = _int32_array(self.ids, "ids", ndim=2)
+        t = self.ids.shape[0]
+        self.sampled = _int32_array(self.sampled, "sampled", ndim=1)
+        logprob = np.asarray(self.sampled_logprob)
+        if logprob.ndim != 1 or not (logprob.dtype.kind == "f" or logprob.size == 0):
+            raise ReplayTypeError(
+                "sampled_logprob",
+                f"got dtype {logprob.dtype} with shape {logprob.shape}",
+                expected="a 1-D float array",
+            )
+        self.sampled_logprob = logprob.astype(np.float32, copy=False)
+        exact = np.asarray(self.exact)
+        if exact.ndim != 1 or not (exact.dtype == np.bool_ or exact.size == 0):
+            raise ReplayTypeError(
+                "exact", f"got dtype {exact.dtype} with shape {exact.shape}", expected="a 1-D bool array"
+            )
+        self.exact = exact.astype(np.bool_, copy=False)
+        for name in ("sampled", "sampled_logprob", "exact"):
+            n = getattr(self, name).shape[0]
+            if n != t:
+                raise ReplayDataError(name, f"has {n} entries for {t} support rows", expected=f"{t}")
+        if t == 0:
+            return
+        below = self.ids < PAD
+        if below.any():
+            tok = int(np.argmax(below.any(axis=1)))
+            raise ReplayDataError(
+                "ids", f"holds id {int(self.ids[tok].min())}", token=tok, expected="ids >= -1"
+            )
+        _check_trailing_padding(self.ids, "ids", None)
+        contains = (self.ids == self.sampled[:, None]).any(axis=1)
+        bad = self.exact & ~contains
+        if bad.any():
+            tok = int(np.argmax(bad))
+            raise ReplayDataError(
+                "exact",
+                f"row flagged exact does not contain its sampled token {int(self.sampled[tok])}",
+                token=tok,
+                expected="exact rows to contain the sampled token",
+            )
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def width(self) -> int:
+        """Row width ``W``."""
+        return int(self.ids.shape[1])
+
+    @classmethod
+    def empty(cls, count: int, width: int) -> "SupportRows":
+        """``count`` rows without support (observation tokens, a synthetic EOS)."""
+        return cls(
+            ids=np.full((count, width), PAD, dtype=np.int32),
+            sampled=np.full(count, PAD, dtype=np.int32),
+            sampled_logprob=np.full(count, np.nan, dtype=np.float32),
+            exact=np.zeros(count, dtype=np.bool_),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence["SupportRows"]) -> "SupportRows":
+        """Rows of several turns, in order; all parts must share one width."""
+        if not parts:
+            raise ReplayDataError("ids", "no parts to concatenate", expected="at least one SupportRows")
+        widths = {p.width for p in parts}
+        if len(widths) != 1:
+            raise ReplayDataError("ids", f"parts have widths {sorted(widths)}", expected="one width")
+        return cls(
+            ids=np.concatenate([p.ids for p in parts]),
+            sampled=np.concatenate([p.sampled for p in parts]),
+            sampled_logprob=np.concatenate([p.sampled_logprob for p in parts]),
+            exact=np.concatenate([p.exact for p in parts]),
+        )
+
+
+def support_from_flat_logprobs(
+    flat: Any, width: int, *, mass_tolerance: float = DEFAULT_MASS_TOLERANCE
+) -> SupportRows:
+    """Support rows from vLLM ``FlatLogprobs`` produced with processed logprobs and ``logprobs=N``.
+
+    Args:
+        flat: an object with attributes ``start_indices``, ``end_indices``, ``token_ids`` and
+            ``logprobs`` (vLLM's ``FlatLogprobs``), or a mapping with those keys; each a list or
+            a numpy array. Position ``i`` is ``[start_indices[i], end_indices[i])`` of the flat
+            arrays: entry 0 is the sampled token and its processed logprob, entries ``1..N`` the
+            top-N in descending order with ``-inf`` for masked tokens.
+        width: output row width ``W`` (>= 1). Usually the request's ``top_k`` (= ``N``).
+        mass_tolerance: see ``DEFAULT_MASS_TOLERANCE``.
+
+    Returns:
+        ``SupportRows`` with ``T = len(start_indices)`` rows. A row holds the finite entries
+        among ``1..N``, in the engine's order (descending processed logprob), at most ``W`` of
+        them. The sampled token is not added when it is missing (the row is recorded as seen).
+        ``exact`` is True when (some of the N entries are ``-inf``, or the finite entries carry
+        probability mass ``>= 1 - mass_tolerance``) and the row contains the sampled token and
+        fits in ``W`` and no entry is NaN/+inf and the sampled logprob is finite. A row with more
+        finite entries than ``W`` keeps its ``W`` most probable members and is inexact: the
+        trainer cannot renormalise over ids it never saw. Never raises on inexact rows.
+
+    Raises:
+        ReplayTypeError: a field is missing or not numeric.
+        ReplayDataError: inconsistent indices (a position without entries, indices outside the
+            flat arrays, ``token_ids`` and ``logprobs`` of different lengths) or negative ids.
+
+    Vectorised path: everything after the conversion to numpy is array code with no Python loop
+    over tokens, for both uniform rows (vLLM's layout: every position ``N + 1`` wide and
+    contiguous, read by a reshape) and ragged rows (an index matrix). Numpy inputs (e.g. the
+    engine's arrays before they become lists) skip the conversion; Python lists (vLLM's
+    ``FlatLogprobs`` fields) are converted with ``np.fromiter`` to int32/float32 first, which is
+    about two thirds of the cost at ``N = 20``.
+    """
+    w = _check_width(width)
+    start = _index_array(_get(flat, "start_indices"), "start_indices")
+    end = _index_array(_get(flat, "end_indices"), "end_indices")
+    tokens = _flat_ids(_get(flat, "token_ids"))
+    logprobs = _flat_logprobs(_get(flat, "logprobs"))
+    t = start.shape[0]
+    if end.shape[0] != t:
+        raise ReplayDataError("end_indices", f"has {end.shape[0]} entries for {t} start indices", expected=f"{t}")
+    if logprobs.shape[0] != tokens.shape[0]:
+        raise ReplayDataError(
+            "logprobs", f"has {logprobs.shape[0]} entries for {tokens.shape[0]} token ids",
+            expected="one logprob per token id",
+        )
+    if t == 0:
+        return _empty_rows(w)
+    lens = end - start
+    short = lens < 1
+    if short.any():
+        tok = int(np.argmax(short))
+        raise ReplayDataError(
+            "end_indices", f"position has {int(lens[tok])} entries", token=tok,
+            expected="at least the sampled token",
+        )
+    outside = (start < 0) | (end > tokens.shape[0])
+    if outside.any():
+        tok = int(np.argmax(outside))
+        raise ReplayDataError(
+            "start_indices", f"entries [{int(start[tok])}, {int(end[tok])}) lie outside the "
+            f"{tokens.shape[0]} flat entries", token=tok, expected="indices inside the flat arrays",
+        )
+
+    row_len = int(lens[0])
+    uniform = bool((lens == row_len).all()) and bool(
+        (start == start[0] + row_len * np.arange(t, dtype=np.int64)).all()
+    )
+    if uniform:
+        lo = int(start[0])
+        ids2 = tokens[lo : lo + t * row_len].reshape(t, row_len)
+        lp2 = logprobs[lo : lo + t * row_len].reshape(t, row_len)
+        absent = None
+    else:
+        row_len = int(lens.max())
+        cols = np.arange(row_len, dtype=np.int64)
+        present = cols[None, :] < lens[:, None]
+        index = np.where(present, start[:, None] + cols[None, :], 0)
+        ids2 = tokens[index]
+        # Absent entries read as -inf so ordering and mass ignore them; they prove nothing.
+        lp2 = np.where(present, logprobs[index], -np.inf)
+        absent = ~present[:, 1:]
+
+    sampled = ids2[:, 0]
+    sampled_lp = lp2[:, 0]
+    cand = ids2[:, 1:]
+    cand_lp = lp2[:, 1:]
+    if ids2.size and (ids2.min() < 0 or ids2.max() > INT32_MAX):
+        tok = int(np.argmax(((ids2 < 0) | (ids2 > INT32_MAX)).any(axis=1)))
+        raise ReplayDataError(
+            "token_ids", f"position holds ids {ids2[tok].tolist()}", token=tok,
+            expected=f"ids in [0, {INT32_MAX}]",
+        )
+
+    # vLLM's entries are torch.topk output: finite ones first, descending, -inf last. One
+    # comparison checks that (NaN fails it too); reorder only when a source breaks it (stable,
+    # so ties keep the engine's order).
+    n = cand.shape[1]
+    if n > 1 and not bool((cand_lp[:, 1:] <= cand_lp[:, :-1]).all()):
+        key = np.where(np.isfinite(cand_lp), -cand_lp, np.inf)
+        order = np.argsort(key, axis=1, kind="stable")
+        cand = np.take_along_axis(cand, order, axis=1)
+        cand_lp = np.take_along_axis(cand_lp, order, axis=1)
+        if absent is not None:
+            absent = np.take_along_axis(absent, order, axis=1)
+    finite = np.isfinite(cand_lp)
+    neg_inf = cand_lp == -np.inf
+    if absent is not None:
+        neg_inf &= ~absent
+    # Anything that is neither finite nor -inf (NaN, +inf) is not a processed logprob.
+    garbage = ~(finite | (cand_lp == -np.inf)).all(axis=1)
+
+    count = np.count_nonzero(finite, axis=1)
+    ids = np.full((t, w), PAD, dtype=np.int32)
+    k = min(n, w)
+    ids[:, :k] = np.where(finite[:, :k], cand[:, :k], PAD)
+    contains = (ids == sampled[:, None]).any(axis=1)
+    closed = neg_inf.any(axis=1)
+    mass = np.exp(np.where(finite, cand_lp, -np.inf)).sum(axis=1, dtype=np.float64)
+    exact = (
+        (closed | (mass >= 1.0 - mass_tolerance))
+        & contains
+        & (count <= w)
+        & ~garbage
+        & np.isfinite(sampled_lp)
+    )
+    return _rows_unchecked(ids, sampled.astype(np.int32), sampled_lp.astype(np.float32), exact)
+
+
+def support_from_sampling_mask(
+    mask: Any,
+    sampled_ids: Any,
+    width: int,
+    *,
+    sampled_logprobs: Any = None,
+) -> SupportRows:
+    """Support rows from vLLM's native ``SamplingMask`` (vLLM >= 0.28, model runner V2).
+
+    Args:
+        mask: an object or mapping with ``token_ids``: either a list of per-position id lists
+            (``vllm.outputs.SamplingMask``) or a flat id array plus CSR ``offsets``
+            (``[T + 1]``, ``vllm.v1.outputs.SamplingMaskLists``; ``offsets=None`` with a flat
+            array means a single position). A plain list of lists is accepted too.
+        sampled_ids: ``[T]`` the generated token ids (``CompletionOutput.token_ids``).
+        width: output row width ``W`` (>= 1).
+        sampled_logprobs: optional ``[T]`` processed logprobs of the sampled tokens (e.g. entry 0
+            of the flat logprobs when ``logprobs=0`` was requested). Without it
+            ``sampled_logprob`` is NaN: a mask carries no probabilities.
+
+    Ordering rule: a mask lists survivors by token id, not by probability, so the sampled token
+    is put first and the other members follow in the mask's order (ascending id for vLLM). The
+    support logprob does not depend on the order; only truncation does, and keeping the sampled
+    token first means a truncated row still contains it.
+
+    ``exact`` is True when the mask contains the sampled token and its members fit in ``W``.
+    A wider mask (ties, a large ``top_k`` or ``top_p``) keeps the sampled token and the first
+    ``W - 1`` others and is flagged inexact. Repeats of the sampled id are dropped; other
+    duplicates are left for ``dense_support_batch`` to reject.
+
+    Vectorised path: CSR input (flat array + offsets) is handled by array code with no Python
+    loop over tokens; a list of lists is first flattened with ``np.fromiter`` over
+    ``itertools.chain`` (C-level iteration, no per-token Python statement).
+    """
+    w = _check_width(width)
+    token_ids = _get(mask, "token_ids") if not _is_sequence_of_rows(mask) else mask
+    offsets = _get_optional(mask, "offsets")
+    if offsets is not None:
+        flat = _flat_ids(token_ids)
+        offs = _index_array(offsets, "offsets")
+    elif isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
+        flat = _flat_ids(token_ids)
+        offs = np.array([0, flat.shape[0]], dtype=np.int64)
+    else:
+        flat, offs = _flatten_lists(token_ids)
+    t = offs.shape[0] - 1
+    if t < 0 or (t > 0 and (offs[0] != 0 or offs[-1] != flat.shape[0] or (np.diff(offs) < 0).any())):
+        raise ReplayDataError(
+            "offsets", f"offsets {offs[:8].tolist()}... do not partition {flat.shape[0]} ids",
+            expected="non-decreasing offsets from 0 to the number of ids",
+        )
+    sampled = np.asarray(sampled_ids)
+    if sampled.ndim != 1 or sampled.shape[0] != t or (sampled.size and sampled.dtype.kind not in "iu"):
+        raise ReplayDataError(
+            "sampled_ids", f"got shape {sampled.shape} dtype {sampled.dtype}", expected=f"{t} integer ids"
+        )
+    sampled = sampled.astype(np.int64, copy=False)
+    if sampled_logprobs is None:
+        logprob = np.full(t, np.nan, dtype=np.float32)
+    else:
+        logprob = np.asarray(sampled_logprobs, dtype=np.float32)
+        if logprob.shape != (t,):
+            raise ReplayDataError(
+                "sampled_logprobs", f"got shape {logprob.shape}", expected=f"shape ({t},)"
+            )
+    if t == 0:
+        return _empty_rows(w)
+    if flat.size and (flat.min() < 0 or flat.max() > INT32_MAX):
+        tok = int(np.searchsorted(offs, int(np.argmax((flat < 0) | (flat > INT32_MAX))), side="right") - 1)
+        raise ReplayDataError("token_ids", "mask holds an id outside int32", token=tok, expected="ids >= 0")
+
+    lens = np.diff(offs)
+    row = np.repeat(np.arange(t, dtype=np.int64), lens)
+    is_sampled = flat == sampled[row]
+    n_sampled = np.bincount(row[is_sampled], minlength=t)
+    has_sampled = n_sampled > 0
+    others = ~is_sampled
+    before = np.concatenate(([0], np.cumsum(others, dtype=np.int64)))
+    rank = before[:-1] - before[offs[:-1]][row]
+    col = rank + has_sampled[row]
+    keep = others & (col < w)
+    ids = np.full((t, w), PAD, dtype=np.int32)
+    ids[row[keep], col[keep]] = flat[keep]
+    ids[has_sampled, 0] = sampled[has_sampled]
+    members = lens - n_sampled + has_sampled
+    exact = has_sampled & (members <= w)
+    return _rows_unchecked(ids, sampled.astype(np.int32), logprob, exact)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSupport:
+    """Result of ``dense_support_batch``.
+
+    Attributes:
+        ids: int32 ``[B, S, W]``; each response right-aligned, ``-1`` elsewhere.
+        loss_mask: bool ``[B, S]``; the caller's loss masks right-aligned, minus the rows the
+            ``"mask"`` policy dropped. Use it as the loss mask of the replayed batch.
+        num_inexact: loss-bearing rows that were not exact (the ones the policy acted on).
+        num_synthetic_eos: loss-bearing rows without support (scored over the full vocabulary).
+        policy: the ``on_inexact`` policy that was applied.
+    """
+
+    ids: np.ndarray
+    loss_mask: np.ndarray
+    num_inexact: int
+    num_synthetic_eos: int
+    policy: str
+
+
+def dense_support_batch(
+    rows: Sequence[Union[SupportRows, np.ndarray, Sequence[Sequence[int]]]],
+    response_ids: Sequence[Any],
+    loss_masks: Sequence[Any],
+    seq_len: int,
+    eos_token_id: Union[int, Iterable[int], None],
+    *,
+    on_inexact: InexactPolicy = "repair",
+    vocab_size: Optional[int] = None,
+) -> DenseSupport:
+    """Dense ``[B, S, W]`` support batch, validated, with the ``on_inexact`` policy applied.
+
+    Args:
+        rows: per trajectory, its ``SupportRows`` or a plain ``[T_b, W]`` integer array (a plain
+            array carries no exactness flag: a row counts as exact iff it contains its response
+            token).
+        response_ids: per trajectory, its ``T_b`` response token ids.
+        loss_masks: per trajectory, ``T_b`` loss-mask values (nonzero = loss-bearing).
+        seq_len: ``S``; responses are right-aligned in it (the trainer's ``[batch, seq]`` layout).
+        eos_token_id: the EOS id, or several, or None (then no row may lack support).
+        on_inexact: what happens to loss-bearing rows that are not exact:
+            ``"repair"`` (default): the seeds' rule; a row missing its sampled token gets it in
+            place of its last (weakest) valid member, a row that contains it is kept as recorded.
+            ``"mask"``: the row leaves the loss (``loss_mask`` False there; its ids are kept).
+            ``"error"``: ``ReplayDataError`` naming the trajectory and token.
+            Default ``"repair"`` because most inexact rows already contain the sampled token
+            (ties at the k-th logit: the recorded members are the most probable ones and each
+            missing member carries at most the k-th probability), so repair leaves them unchanged
+            and the error is the small missing mass; it keeps every token in the loss and matches
+            the seeds' numbers. ``"mask"`` drops exactly the tokens drawn where the distribution
+            is flat (a selection bias in the gradient); ``"error"`` stops a run for an engine
+            artifact that occurs on several percent of bf16 tokens. The count is returned and
+            logged at WARNING either way.
+        vocab_size: when given, ids must lie in ``[-1, vocab_size)`` and response ids in
+            ``[0, vocab_size)``.
+
+    Validation (``ReplayDataError`` naming field, trajectory, token index): one row per response
+    token; one width; ``T_b <= S``; id range; ``-1`` only as trailing padding; no duplicate ids;
+    ``SupportRows.sampled`` equal to the response token on every supported row; exact rows
+    contain it; at most one loss-bearing row without support per trajectory, and its token is
+    EOS (a synthetic EOS appended after the engine returned). Inputs are never modified.
+    """
+    if on_inexact not in _POLICIES:
+        raise ValueError(f"on_inexact must be one of {_POLICIES}, got {on_inexact!r}")
+    b = len(rows)
+    if len(response_ids) != b or len(loss_masks) != b:
+        raise ReplayDataError(
+            "rows", f"{b} support entries, {len(response_ids)} responses, {len(loss_masks)} loss masks",
+            expected="one of each per trajectory",
+        )
+    s = int(seq_len)
+    eos = _eos_set(eos_token_id)
+    id_limit = INT32_MAX if vocab_size is None else int(vocab_size) - 1
+    prepared = []
+    width: Optional[int] = None
+    for i in range(b):
+        r = rows[i]
+        if isinstance(r, SupportRows):
+            ids, sampled, exact = r.ids, r.sampled, r.exact
+        else:
+            ids = np.asarray(r)
+            if ids.ndim != 2 or (ids.size and ids.dtype.kind not in "iu"):
+                raise ReplayTypeError(
+                    "support", f"got dtype {ids.dtype} with shape {ids.shape}", trajectory=i,
+                    expected="SupportRows or a 2-D integer array",
+                )
+            sampled = exact = None
+        if width is None:
+            width = int(ids.shape[1])
+        elif ids.shape[1] != width:
+            raise ReplayDataError(
+                "support", f"rows have width {ids.shape[1]}", trajectory=i, expected=f"width {width}"
+            )
+        prepared.append((ids, sampled, exact))
+    w = width or 0
+    out = np.full((b, s, w), PAD, dtype=np.int32)
+    loss_out = np.zeros((b, s), dtype=np.bool_)
+    n_inexact = 0
+    n_eos = 0
+    for i, (ids, sampled, exact) in enumerate(prepared):
+        resp = np.asarray(response_ids[i])
+        if resp.ndim != 1 or (resp.size and resp.dtype.kind not in "iu"):
+            raise ReplayTypeError(
+                "response_ids", f"got dtype {resp.dtype} with shape {resp.shape}", trajectory=i,
+                expected="a 1-D integer sequence",
+            )
+        t = resp.shape[0]
+        lm = np.asarray(loss_masks[i])
+        if lm.shape != (t,):
+            raise ReplayDataError(
+                "loss_mask", f"has shape {lm.shape} for {t} response tokens", trajectory=i,
+                expected=f"shape ({t},)",
+            )
+        lm = lm.astype(np.bool_)
+        if ids.shape[0] != t:
+            raise ReplayDataError(
+                "support", f"{ids.shape[0]} rows for {t} response tokens", trajectory=i,
+                expected="one row per response token",
+            )
+        if t > s:
+            raise ReplayDataError(
+                "response_ids", f"{t} tokens do not fit seq_len {s}", trajectory=i, expected=f"<= {s}"
+            )
+        if t == 0:
+            continue
+        bad_resp = (resp < 0) | (resp > id_limit)
+        if bad_resp.any():
+            tok = int(np.argmax(bad_resp))
+            raise ReplayDataError(
+                "response_ids", f"id {int(resp[tok])} out of range", trajectory=i, token=tok,
+                expected=f"[0, {id_limit + 1})",
+            )
+        bad = (ids < PAD) | (ids > id_limit)
+        if bad.any():
+            tok = int(np.argmax(bad.any(axis=1)))
+            val = int(ids[tok][bad[tok]][0])
+            raise ReplayDataError(
+                "support", f"id {val} out of range", trajectory=i, token=tok,
+                expected=f"ids in [-1, {id_limit + 1})",
+            )
+        valid = ids >= 0
+        _check_trailing_padding(ids, "support", i)
+        if w > 1:
+            srt = np.sort(ids, axis=1)
+            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+            if dup.any():
+                tok = int(np.argmax(dup.any(axis=1)))
+                val = int(srt[tok, 1:][dup[tok]][0])
+                raise ReplayDataError(
+                    "support", f"id {val} appears twice in the row", trajectory=i, token=tok,
+                    expected="no duplicate ids",
+                )
+        supported = valid[:, 0] if w else np.zeros(t, dtype=np.bool_)
+        contains = (ids == resp[:, None]).any(axis=1)
+        if sampled is not None:
+            mismatch = supported & (sampled != resp)
+            if mismatch.any():
+                tok = int(np.argmax(mismatch))
+                raise ReplayDataError(
+                    "sampled", f"row was captured for token {int(sampled[tok])} but the response "
+                    f"holds {int(resp[tok])}", trajectory=i, token=tok,
+                    expected="rows aligned with the response tokens",
+                )
+            wrong = exact & supported & ~contains
+            if wrong.any():
+                tok = int(np.argmax(wrong))
+                raise ReplayDataError(
+                    "exact", "row flagged exact does not contain the response token", trajectory=i,
+                    token=tok, expected="exact rows to contain their sampled token",
+                )
+            is_exact = exact & supported
+        else:
+            is_exact = supported & contains
+        inexact = supported & ~is_exact & lm
+        lm_after = lm
+        fixed = ids
+        if inexact.any():
+            n_inexact += int(inexact.sum())
+            if on_inexact == "error":
+                tok = int(np.argmax(inexact))
+                raise ReplayDataError(
+                    "exact", "loss-bearing support row is inexact (the sampler's support was wider "
+                    "than the recorded row, or the row lacks the sampled token)", trajectory=i,
+                    token=tok, expected="exact rows (on_inexact='error')",
+                )
+            if on_inexact == "mask":
+                lm_after = lm & ~inexact
+            else:
+                missing = np.flatnonzero(inexact & ~contains)
+                if missing.size:
+                    fixed = ids.copy()
+                    last = valid[missing].sum(axis=1) - 1
+                    fixed[missing, last] = resp[missing]
+        empty = ~supported & lm
+        if empty.any():
+            where_empty = np.flatnonzero(empty)
+            if where_empty.size > 1:
+                raise ReplayDataError(
+                    "support", f"{where_empty.size} loss-bearing tokens have no support row "
+                    f"(tokens {where_empty[:8].tolist()})", trajectory=i, token=int(where_empty[1]),
+                    expected="at most one per trajectory (the synthetic EOS)",
+                )
+            tok = int(where_empty[0])
+            if int(resp[tok]) not in eos:
+                raise ReplayDataError(
+                    "support", f"loss-bearing token {int(resp[tok])} has no support row", trajectory=i,
+                    token=tok, expected=f"support for every loss-bearing token but the EOS {sorted(eos)}",
+                )
+            n_eos += 1
+        out[i, s - t :] = fixed
+        loss_out[i, s - t :] = lm_after
+    log = logger.warning if n_inexact else logger.debug
+    log(
+        "support batch: %d loss-bearing inexact row(s) (on_inexact=%r), %d synthetic EOS row(s), "
+        "%d trajectories", n_inexact, on_inexact, n_eos, b,
+    )
+    return DenseSupport(out, loss_out, n_inexact, n_eos, on_inexact)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _get(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        if name in obj:
+            return obj[name]
+    elif hasattr(obj, name):
+        return getattr(obj, name)
+    raise ReplayTypeError(name, f"missing on {type(obj).__name__}", expected=f"an attribute or key {name!r}")
+
+
+def _get_optional(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _is_sequence_of_rows(obj: Any) -> bool:
+    # A NamedTuple such as vLLM's SamplingMaskLists is a mask object, not a tuple of rows.
+    return isinstance(obj, (list, tuple)) and not hasattr(obj, "token_ids")
+
+
+def _check_width(width: Any) -> int:
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
+        raise ReplayTypeError("width", f"got {width!r}", expected="an int >= 1")
+    return int(width)
+
+
+def _index_array(values: Any, field: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ReplayTypeError(field, f"got dtype {arr.dtype} with shape {arr.shape}", expected="1-D integers")
+    return arr.astype(np.int64, copy=False)
+
+
+def _flat_ids(values: Any) -> np.ndarray:
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        arr = _from_list(values, np.int32) if isinstance(values, list) else np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ReplayTypeError("token_ids", f"got dtype {arr.dtype} with shape {arr.shape}", expected="1-D integers")
+    return arr
+
+
+def _flat_logprobs(values: Any) -> np.ndarray:
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        # vLLM's floats come from float32 tensors: float32 holds them exactly.
+        arr = _from_list(values, np.float32) if isinstance(values, list) else np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind != "f"):
+        raise ReplayTypeError("logprobs", f"got dtype {arr.dtype} with shape {arr.shape}", expected="1-D floats")
+    return arr
+
+
+def _from_list(values: list, dtype) -> np.ndarray:
+    # np.fromiter over a list is ~20% faster than np.asarray, and 32-bit results halve the work
+    # after it; ids beyond int32 or odd input fall back to np.asarray (then range-checked).
+    try:
+        return np.fromiter(values, dtype=dtype, count=len(values))
+    except (TypeError, ValueError, OverflowError):
+        return np.asarray(values)
+
+
+def _flatten_lists(lists: Any) -> tuple[np.ndarray, np.ndarray]:
+    rows = list(lists)
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    offs = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offs[1:])
+    total = int(offs[-1])
+    if rows and all(isinstance(r, np.ndarray) for r in rows):
+        flat = np.concatenate(rows).astype(np.int64, copy=False) if total else np.zeros(0, np.int64)
+    else:
+        try:
+            flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+        except (TypeError, ValueError) as exc:
+            raise ReplayTypeError("token_ids", f"not lists of ints ({exc})", expected="lists of int ids") from exc
+    return flat, offs
+
+
+def _int32_array(values: Any, field: str, *, ndim: int) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size == 0 and arr.dtype.kind not in "iu":
+        arr = arr.astype(np.int32)
+    if arr.ndim != ndim or arr.dtype.kind not in "iu":
+        raise ReplayTypeError(
+            field, f"got dtype {arr.dtype} with shape {arr.shape}", expected=f"a {ndim}-D integer array"
+        )
+    if arr.dtype != np.int32:
+        if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > INT32_MAX):
+            raise ReplayDataError(field, "holds values outside int32", expected="int32 token ids")
+        arr = arr.astype(np.int32)
+    return arr
+
+
+def _check_trailing_padding(ids: np.ndarray, field: str, trajectory: Optional[int]) -> None:
+    if ids.shape[1] < 2:
+        return
+    valid = ids >= 0
+    gap = valid[:, 1:] & ~valid[:, :-1]
+    if gap.any():
+        tok = int(np.argmax(gap.any(axis=1)))
+        raise ReplayDataError(
+            field, f"row {ids[tok].tolist()} has -1 before a member", trajectory=trajectory, token=tok,
+            expected="-1 only as trailing padding",
+        )
+
+
+def _rows_unchecked(ids: np.ndarray, sampled: np.ndarray, logprob: np.ndarray, exact: np.ndarray) -> SupportRows:
+    # Capture builds rows that satisfy the contract by construction; skip __post_init__'s checks
+    # (they would cost about a third of the conversion time).
+    rows = object.__new__(SupportRows)
+    rows.ids, rows.sampled, rows.sampled_logprob, rows.exact = ids, sampled, logprob, exact
+    return rows
+
+
+def _empty_rows(width: int) -> SupportRows:
+    return SupportRows.empty(0, width)
+
+
+def _eos_set(eos_token_id: Union[int, Iterable[int], None]) -> frozenset:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, (int, np.integer)):
+        return frozenset({int(eos_token_id)})
+    return frozenset(int(e) for e in eos_token_id)

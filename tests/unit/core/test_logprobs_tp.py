@@ -1,0 +1,160 @@
+"""Vocabulary-parallel logprobs on real gloo process groups (2 and 4 CPU ranks).
+
+Each rank holds a contiguous vocabulary shard; results and gradients must equal the unsharded
+computation, and every call must make the same number of all_reduce calls whatever the data
+(batches with and without synthetic EOS rows, rows whose members all live on another rank).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+B, S, W, H, V = 3, 6, 5, 8, 24
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _inputs(with_eos: bool):
+    g = torch.Generator().manual_seed(1234)
+    hidden = torch.randn(B, S, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (B, S), generator=g)
+    support = torch.full((B, S, W), -1, dtype=torch.int32)
+    loss = torch.zeros(B, S, dtype=torch.bool)
+    for i in range(B):
+        for t in range(S - 1):
+            k = int(torch.randint(1, W + 1, (1,), generator=g))
+            ids = torch.randperm(V, generator=g)[:k]
+            if int(y[i, t]) not in ids.tolist():
+                ids[-1] = y[i, t]
+            support[i, t, :k] = ids.int()
+            loss[i, t] = True
+    support[1, 2] = torch.tensor([0, 1, -1, -1, -1])  # all members on rank 0's shard
+    y[1, 2] = 1
+    support[2, 0] = -1  # no support, not loss-bearing
+    loss[2, 0] = False
+    if with_eos:
+        loss[0, S - 1] = True
+        loss[2, S - 1] = True
+    traj = torch.arange(B).unsqueeze(1).expand(B, S).clone()
+    upstream = torch.randn(B, S, generator=g, dtype=torch.float64)
+    return hidden, weight, y, support, loss, traj, upstream
+
+
+def _run(rank, world, port, fn_name, errors):
+    try:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        try:
+            globals()[fn_name](rank, world)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report to the parent through the queue
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def _spawn(fn_name: str, world: int) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_run, args=(r, world, port, fn_name, errors)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            failures.append(f"pid {p.pid} timed out")
+        elif p.exitcode != 0 and not failures:
+            failures.append(f"pid {p.pid} exited with {p.exitcode}")
+    assert not failures, "\n".join(failures)
+
+
+class _Counter:
+    def __init__(self):
+        self.calls = 0
+        self.real = dist.all_reduce
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.real(*args, **kwargs)
+
+
+def _check_tp(rank, world):
+    from replay_plugin.core.logprobs import replay_logprobs, support_logprobs, support_logprobs_from_hidden
+
+    group = dist.new_group(list(range(world)))
+    shard = V // world
+    lo = rank * shard
+    counter = _Counter()
+    torch.distributed.all_reduce = counter  # logprobs looks the function up at call time
+    counts = {}
+    for with_eos in (False, True):
+        hidden, weight, y, support, loss, traj, upstream = _inputs(with_eos)
+        for fused in (False, True):
+            # unsharded reference on this process (no group: no collectives)
+            h_ref = hidden.clone().requires_grad_()
+            w_ref = weight.clone().requires_grad_()
+            if fused:
+                ref = replay_logprobs(h_ref, y, support, loss, traj, B, lm_head_weight=w_ref, temperature=0.8)
+            else:
+                ref = replay_logprobs(h_ref @ w_ref.t(), y, support, loss, traj, B, temperature=0.8)
+            rgh, rgw = torch.autograd.grad((ref.logprobs * upstream).sum(), (h_ref, w_ref))
+
+            h = hidden.clone().requires_grad_()
+            w_local = weight[lo : lo + shard].clone().requires_grad_()
+            before = counter.calls
+            if fused:
+                res = replay_logprobs(
+                    h, y, support, loss, traj, B, lm_head_weight=w_local, temperature=0.8,
+                    vocab_start=lo, tp_group=group,
+                )
+            else:
+                res = replay_logprobs(
+                    h @ w_local.t(), y, support, loss, traj, B, temperature=0.8, vocab_start=lo, tp_group=group
+                )
+            counts[(with_eos, fused)] = counter.calls - before
+            gh, gw = torch.autograd.grad((res.logprobs * upstream).sum(), (h, w_local))
+            assert torch.equal(res.valid, ref.valid) and torch.equal(res.full_vocab, ref.full_vocab)
+            assert int(res.full_vocab.sum()) == (2 if with_eos else 0)
+            torch.testing.assert_close(res.logprobs, ref.logprobs, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(gw, rgw[lo : lo + shard], rtol=1e-5, atol=1e-6)
+            # hidden gradients are per-shard partial sums (column-parallel LM head convention)
+            dist.all_reduce(gh, group=group)
+            torch.testing.assert_close(gh, rgh, rtol=1e-5, atol=1e-6)
+
+        # the support-only entry points: 2 collectives each
+        before = counter.calls
+        logits_local = (hidden @ weight.t())[..., lo : lo + shard]
+        lp_sharded, _ = support_logprobs(logits_local, y, support, vocab_start=lo, tp_group=group)
+        lp_fused, _ = support_logprobs_from_hidden(
+            hidden, weight[lo : lo + shard], y, support, vocab_start=lo, tp_group=group
+        )
+        assert counter.calls - before == 4
+        lp_full, _ = support_logprobs(hidden @ weight.t(), y, support)
+        torch.testing.assert_close(lp_sharded, lp_full, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lp_fused, lp_full, rtol=1e-5, atol=1e-6)
+    # same number of collectives with and without synthetic EOS rows, fused or not
+    assert set(counts.values()) == {4}, counts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_matches_single_rank(world):
+    _spawn("_check_tp", world)
