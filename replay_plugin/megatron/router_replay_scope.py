@@ -3,28 +3,38 @@
 The upstream gap (megatron-core 0.16.0 - 0.19.2, ``transformer/moe/router_replay.py``):
 ``RouterReplay`` keeps process-global state. ``set_target_indices`` sets the forward target
 *and appends it to* ``replay_backward_list``; ``REPLAY_BACKWARD`` drains that list with
-``pop(0)`` during activation recompute. Nothing in Megatron clears it, so a forward-only
+``pop(0)`` during activation recompute. Nothing in Megatron clears it (no Megatron code sets a
+replay action outside ``router_replay.py`` except inference's ``RECORD``), so a forward-only
 schedule (logprob or reference pass) leaves its entries behind and the next training step's
-recompute replays the stale routes of the logprob pass, or fails with a split-size error when
+recompute replays the stale routes of the logprob pass, or fails with a size error when the
 token counts differ. Reproduced on CPU with 0.16.1 and 0.19.2 (tests/integration/megatron).
+No upstream issue reports it; every RL framework clears the state itself (verl, SkyRL #1908,
+NeMo-RL, AReaL).
 
 A second leak: the schedules never enter ``no_grad`` for ``forward_only=True``, so a
 forward-only pass run with grad enabled adds its tokens to every router's expert-bias counts
-(``local_tokens_per_expert``, also the global-aux-loss and quantile accumulators of newer
-releases); ``finalize_model_grads`` resets them only after a training step, so the logprob
-pass's tokens pollute the next expert-bias update.
+(``local_tokens_per_expert``; also the global-aux-loss and quantile-balancing accumulators of
+newer releases). ``finalize_model_grads`` resets them only after a training step, so the
+logprob pass's tokens pollute the next expert-bias update.
 
 The wrapper, around each of the three ``forward_backward_*`` functions (every binding
-``get_forward_backward_func`` returns resolves them from the module at call time):
+``get_forward_backward_func`` returns resolves them from the module at call time, and
+``combined_1f1b`` / hybrid-CP schedules run inside ``forward_backward_no_pipelining``):
 
 * before the schedule, drops backward-FIFO entries that were not installed since the previous
-  schedule ended (entries installed by the caller for this schedule, through
-  ``set_target_indices`` / ``set_replay_data``, are kept: callers may set replay data before
-  the schedule starts);
-* in ``finally`` (also on exceptions): clears every instance's target and FIFO and the global
-  replay action (recorded indices are kept for callers that read them after the schedule);
-* with ``forward_only=True``: restores every router's token-count accumulators of the model(s)
-  being run to the values they had before the schedule.
+  schedule ended, and targets when nothing was installed. What the caller installed for this
+  schedule (``set_target_indices`` / ``set_replay_data`` before the schedule starts, as SkyRL
+  does) stays: a second wrapper around ``RouterReplay.set_target_indices`` counts the entries
+  appended per instance since the last schedule ended. Appends go to the end of the FIFO and
+  ``pop(0)`` takes from the front, so the fresh entries are always the last ``min(count,
+  len)`` ones (no object identity involved: a caller may install the same tensor twice);
+* in ``finally`` (also on exceptions): clears every instance's target and FIFO and the replay
+  action (recorded indices are kept for callers that read them after the schedule);
+* with ``forward_only=True``: restores the token-count accumulators of every router inside
+  the model chunk(s) being run to the values they had before the schedule (saved with one
+  ``torch.cat`` into a per-chunk staging buffer; copied back only where the tensor's version
+  counter moved, so a pass under ``no_grad`` costs no copy). Schedules of one chunk are not
+  run concurrently from several threads (Megatron's are not thread-safe either).
 
 Nested schedule calls are scoped by the outermost one only.
 """
@@ -56,48 +66,110 @@ class _State(threading.local):
 
 
 _state = _State()
-# RouterReplay instance -> ids of FIFO entries installed since the previous schedule ended.
-_installed: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
-_routers_of: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+# RouterReplay instance -> FIFO entries appended since the previous schedule ended.
+_appended: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
 def _observe_set_target(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
-    fifo = getattr(instance, "replay_backward_list", None)
-    if fifo:
-        _installed.setdefault(instance, set()).add(id(fifo[-1]))
+    _appended[instance] = _appended.get(instance, 0) + 1
     return result
 
 
-def _instances() -> list:
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+_registry: list = []  # RouterReplay.global_router_replay_instances, looked up once
 
-    return list(RouterReplay.global_router_replay_instances)
+
+def _instances() -> list:
+    if not _registry:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        _registry.append(RouterReplay)
+    return _registry[0].global_router_replay_instances
+
+
+# Both loops below run twice per schedule over every RouterReplay in the process (48+ for a
+# large model): they read before they write and touch the weak dictionary only for instances
+# holding data, which keeps a schedule's overhead to a few microseconds.
 
 
 def drop_stale_entries() -> int:
-    """Remove FIFO entries not installed since the previous schedule; returns how many."""
+    """Remove FIFO entries (and targets) not installed since the previous schedule ended;
+    returns how many FIFO entries were dropped."""
     dropped = 0
+    appended = _appended
     for inst in _instances():
         fifo = inst.replay_backward_list
-        if not fifo:
+        if not fifo and inst.target_topk_idx is None:
             continue
-        keep = _installed.get(inst, set())
-        fresh = [t for t in fifo if id(t) in keep]
-        dropped += len(fifo) - len(fresh)
-        if len(fresh) != len(fifo):
-            inst.replay_backward_list = fresh
-    _installed.clear()
+        fresh = appended.get(inst, 0) if appended else 0
+        if not fresh:
+            inst.target_topk_idx = None
+        stale = len(fifo) - min(fresh, len(fifo))
+        if stale:
+            del fifo[:stale]
+            dropped += stale
+    if appended:
+        appended.clear()
     return dropped
 
 
 def clear_replay_state() -> None:
     """Targets, FIFOs and actions of every instance; recorded indices stay."""
     for inst in _instances():
-        inst.target_topk_idx = None
-        inst.replay_backward_list = []
-        inst.router_replay_action = None
-    _installed.clear()
+        if inst.target_topk_idx is not None:
+            inst.target_topk_idx = None
+        if inst.replay_backward_list:
+            inst.replay_backward_list = []
+        if inst.router_replay_action is not None:
+            inst.router_replay_action = None
+    if _appended:
+        _appended.clear()
+
+
+class _CountPlan:
+    """The count buffers of one model chunk's routers, and a staging buffer to save them.
+
+    Built once per chunk and rebuilt when upstream reassigns a buffer. The 1-D buffers of the
+    first buffer's dtype and device (the per-expert counts) are saved with one
+    ``torch.cat(..., out=staging)`` and restored from precomputed views of ``staging``; any
+    other buffer (0-d step counters, other dtypes) is cloned. Per-tensor Python work is what
+    costs here (~0.5 us per tensor attribute access on the CPU), so it is done once.
+    """
+
+    __slots__ = ("holders", "names", "tensors", "flat", "flat_tensors", "views", "staging", "other")
+
+    def __init__(self, chunk: Any) -> None:
+        import torch
+
+        # The dict each buffer lives in (``module._buffers``; ``Module.__getattr__`` costs ~1 us
+        # per lookup, a dict lookup ~0.05 us), to see cheaply whether upstream reassigned it.
+        self.holders, self.names, self.tensors = [], [], []
+        for module in chunk.modules() if hasattr(chunk, "modules") else ():
+            if not hasattr(module, "router_replay"):  # TopKRouter and subclasses
+                continue
+            buffers = getattr(module, "_buffers", {})
+            for name in COUNT_BUFFERS:
+                t = getattr(module, name, None)
+                if t is not None:
+                    self.holders.append(buffers if buffers.get(name) is t else module.__dict__)
+                    self.names.append(name)
+                    self.tensors.append(t)
+        first = self.tensors[0] if self.tensors else None
+        self.flat = [i for i, t in enumerate(self.tensors)
+                     if t.dim() == 1 and t.dtype == first.dtype and t.device == first.device]
+        self.flat_tensors = [self.tensors[i] for i in self.flat]
+        self.other = [i for i in range(len(self.tensors)) if i not in set(self.flat)]
+        self.staging = self.views = None
+        if self.flat:
+            self.staging = torch.empty(sum(self.tensors[i].numel() for i in self.flat), dtype=first.dtype,
+                                       device=first.device)
+            self.views = list(self.staging.split([self.tensors[i].numel() for i in self.flat]))
+
+    def current(self) -> bool:
+        return all(h.get(n) is t for h, n, t in zip(self.holders, self.names, self.tensors))
+
+
+_plans: "weakref.WeakKeyDictionary[Any, _CountPlan]" = weakref.WeakKeyDictionary()
 
 
 def _model_chunks(model: Any) -> Iterable[Any]:
@@ -106,56 +178,66 @@ def _model_chunks(model: Any) -> Iterable[Any]:
     return [model] if model is not None else []
 
 
-def _count_buffers(model: Any) -> list:
-    """(router, buffer name) pairs of the routers inside ``model`` (cached per model chunk)."""
-    pairs: list = []
-    for chunk in _model_chunks(model):
-        try:
-            cached = _routers_of.get(chunk)
-        except TypeError:  # not weak-referenceable
-            cached = None
-        if cached is None:
-            cached = []
-            modules = chunk.modules() if hasattr(chunk, "modules") else []
-            for module in modules:
-                for name in COUNT_BUFFERS:
-                    if getattr(module, name, None) is not None and hasattr(module, "router_replay"):
-                        cached.append((weakref.ref(module), name))
-            try:
-                _routers_of[chunk] = cached
-            except TypeError:
-                pass
-        pairs.extend(cached)
-    return pairs
+def _plan_of(chunk: Any) -> "_CountPlan | None":
+    try:
+        plan = _plans.get(chunk)
+    except TypeError:  # not weak-referenceable: no caching
+        return _CountPlan(chunk)
+    if plan is None or not plan.current():
+        plan = _plans[chunk] = _CountPlan(chunk)
+    return plan
 
 
-def _snapshot_counts(model: Any) -> list:
-    snap = []
-    for ref, name in _count_buffers(model):
-        module = ref()
-        if module is None:
-            continue
-        value = getattr(module, name, None)
-        if value is not None:
-            snap.append((module, name, value.detach().clone()))
-    return snap
+class _CountSnapshot:
+    """Counts of a forward-only schedule's routers, restored only where written: a buffer
+    whose autograd version counter did not move was not written (a pass under ``no_grad``
+    writes none) and is not copied back."""
 
+    __slots__ = ("saved",)
 
-def _restore_counts(snapshot: list) -> None:
-    import torch
+    def __init__(self, model: Any) -> None:
+        import torch
 
-    with torch.no_grad():
-        for module, name, saved in snapshot:
-            current = getattr(module, name, None)
-            if current is not None and current.shape == saved.shape:
-                current.copy_(saved)
+        self.saved = []
+        for chunk in _model_chunks(model):
+            plan = _plan_of(chunk)
+            if not plan.tensors:
+                continue
+            versions = [t._version for t in plan.tensors]
+            if plan.flat:
+                torch.cat(plan.flat_tensors, out=plan.staging)
+            others = {i: plan.tensors[i].detach().clone() for i in plan.other}
+            self.saved.append((plan, versions, others))
+
+    def restore(self) -> None:
+        import torch
+
+        for plan, versions, others in self.saved:
+            tensors = plan.tensors
+            changed = [t._version != v for t, v in zip(tensors, versions)]
+            if not any(changed):
+                continue
+            if all(changed) and not others:  # the common grad-enabled case: one call, no lists
+                with torch.no_grad():
+                    torch._foreach_copy_(plan.flat_tensors, plan.views)
+                continue
+            dst, src = [], []
+            for j, i in enumerate(plan.flat):
+                if changed[i]:
+                    dst.append(tensors[i])
+                    src.append(plan.views[j])
+            for i, saved in others.items():
+                if changed[i]:
+                    dst.append(tensors[i])
+                    src.append(saved)
+            with torch.no_grad():
+                torch._foreach_copy_(dst, src)
 
 
 def _scope(wrapped, instance, args, kwargs):
     if _state.depth:
         return wrapped(*args, **kwargs)
-    forward_only = bool(kwargs.get("forward_only", False))
-    snapshot = _snapshot_counts(kwargs.get("model")) if forward_only else None
+    snapshot = _CountSnapshot(kwargs.get("model")) if kwargs.get("forward_only", False) else None
     drop_stale_entries()
     _state.depth += 1
     try:
@@ -163,12 +245,12 @@ def _scope(wrapped, instance, args, kwargs):
     finally:
         _state.depth -= 1
         clear_replay_state()
-        if snapshot:
-            _restore_counts(snapshot)
+        if snapshot is not None:
+            snapshot.restore()
 
 
 def install(patcher: Patcher) -> None:
     for name in SCHEDULE_FUNCTIONS:
         patcher.wrap(f"{_SCHEDULES}:{name}", _scope)
     patcher.wrap(_SET_TARGET, _observe_set_target)
-    patcher.on_revert(_installed.clear)
+    patcher.on_revert(_appended.clear)

@@ -1,0 +1,493 @@
+"""Routed-expert replay (R3) for Megatron trainers: one call per microbatch in ``forward_step``.
+
+:func:`replay_routes` takes the batch's recorded routes ``[B, S, L, K]`` (compact dtype, from
+:func:`replay_plugin.core.routes.pad_batch`), the router padding mask ``[B, S]`` (True = no
+recorded route) and the microbatch's :class:`~replay_plugin.core.layout.TokenMetadataLayout`,
+and installs replay data on the routers of the model chunk being run:
+
+1. The routers are found by walking the model chunk (``TopKRouter`` modules with a
+   ``RouterReplay``), each keyed by its own global layer number (``TransformerLayer`` gives it
+   the 1-based number including the pipeline / virtual-pipeline offset). Not by position in
+   ``RouterReplay.global_router_replay_instances``: that list holds every router ever built in
+   the process (a reference model, a rebuilt decoder) and all virtual-pipeline chunks, so
+   upstream's ``RouterReplay.set_replay_data`` raises or misroutes as soon as there are two.
+   MTP routers (numbered from 1 per depth, colliding with decoder layers) are not replayed;
+   they route themselves.
+2. Only this stage's layers are selected, still compact, then moved to the layout's device,
+   aligned to the model's input layout (unpacked / packed / context-parallel shard; padding
+   rows are the dummy route ``[0..K-1]``), sliced for sequence parallelism, put in the routers'
+   token order and converted to int32: only the local slice is ever int32.
+3. Each router gets its data through ``RouterReplay.set_target_indices`` (forward target plus
+   backward FIFO entry) and the ``REPLAY_FORWARD`` action. A forward hook on the model chunk
+   switches those routers to ``REPLAY_BACKWARD`` when the forward returns, so activation
+   recompute in the backward pass pops the same data, also with 1F1B pipelining (each router's
+   FIFO only holds the microbatches that ran through its chunk, in forward order, which is the
+   backward order).
+4. Rows marked in the router padding mask are routed by the trainer's own router when the
+   ``megatron.replay_padding_fallback`` patch is applied (the synthetic-EOS contract of
+   :mod:`replay_plugin.core.routes`); without it they replay the dummy route.
+
+The returned :class:`MicrobatchReplay` carries the ``padding_mask`` to pass to the model (it
+keeps padding out of the aux loss and the expert-bias counts): ``[B, A]`` / ``[1, T / cp]``,
+already scattered for sequence parallelism where the model will not scatter it itself (every
+pipeline stage but a ``GPTModel``'s first).
+
+State is cleared after every schedule by the ``megatron.router_replay_scope`` patch; outside
+schedules use :func:`clear_routes`.
+
+Usage, in a trainer's ``forward_step`` (unpacked; for packed/THD batches build the layout with
+``packed=True, align=tp * cp * 2 if cp > 1 else tp, cp_size=cp, cp_rank=cp_rank`` and pass
+``PackedSeqParams`` from ``layout.cu_seqlens_padded``)::
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)  # input_ids, attention_mask [B, S]; routes, router_padding_mask from pad_batch
+        layout = TokenMetadataLayout.build(mb["attention_mask"], packed=False, align=tp_size)
+        replay = replay_routes(model, mb["routes"], mb["router_padding_mask"], layout)
+        input_ids = layout.align(mb["input_ids"], pad_token_id)  # [B, A]
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        output = model(input_ids, position_ids, None, padding_mask=replay.padding_mask)
+        return output, loss_func
+
+Refused up front (:class:`ReplayConfigError`), because replay would silently do nothing:
+``moe_router_fusion=True`` (the fused top-k returns before ``RouterReplay`` is consulted),
+``sinkhorn`` / ``quantile_balancing`` routing (they never call it), routers without a layer
+number; and a model whose routers were built with ``moe_enable_routing_replay=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import numpy as np
+
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.routes import select_layers, split_for_replay
+
+if TYPE_CHECKING:
+    import torch
+
+    from replay_plugin.core.layout import TokenMetadataLayout
+
+__all__ = ["MicrobatchReplay", "ReplayConfigError", "clear_routes", "replay_layers", "replay_routes"]
+
+log = logging.getLogger("replay_plugin")
+
+#: routing types whose router never consults RouterReplay
+_NO_REPLAY_ROUTING = ("sinkhorn", "quantile_balancing")
+
+
+class ReplayConfigError(ReplayDataError):
+    """A model configuration under which replay would silently do nothing (or misroute)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Router:
+    module: Any  # TopKRouter
+    replay: Any  # its RouterReplay
+    layer: int  # 0-based global layer index = layer_number - 1
+    name: str
+
+
+class _ModelState:
+    """What :func:`replay_routes` needs to know about one model chunk (computed once)."""
+
+    def __init__(self, model: Any) -> None:
+        routers: list[_Router] = []
+        disabled: list[str] = []
+        lm = None
+        for name, module in model.named_modules():
+            if lm is None and hasattr(module, "pre_process") and hasattr(module, "decoder"):
+                lm = module
+            if not hasattr(module, "router_replay") or not hasattr(module, "routing"):
+                continue
+            if getattr(module, "is_mtp_layer", False) or "mtp" in name.split("."):
+                continue  # MTP routers: layer numbers collide with decoder layers (NeMo-RL #3903)
+            replay = module.router_replay
+            if replay is None:
+                disabled.append(name)
+                continue
+            _check_router(module, name)
+            routers.append(_Router(module, replay, int(module.layer_number) - 1, name))
+        if disabled:
+            raise ReplayConfigError(
+                "moe_enable_routing_replay",
+                f"routers {disabled[:3]} were built without a RouterReplay",
+                expected="TransformerConfig(moe_enable_routing_replay=True) when the model is built",
+            )
+        seen: dict[int, str] = {}
+        for r in routers:
+            if r.layer in seen:
+                raise ReplayConfigError(
+                    "layer_number",
+                    f"routers {seen[r.layer]} and {r.name} share layer number {r.layer + 1}",
+                    expected="one router per global layer number",
+                )
+            seen[r.layer] = r.name
+        self.routers: tuple[_Router, ...] = tuple(routers)
+        self.layer_numbers = tuple(r.layer + 1 for r in routers)
+        config = routers[0].module.config if routers else getattr(lm, "config", None)
+        self.num_layers: Optional[int] = getattr(config, "num_layers", None)
+        self.topk: Optional[int] = routers[0].module.topk if routers else None
+        self.num_experts: Optional[int] = routers[0].module.config.num_moe_experts if routers else None
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        if routers:
+            self.tp_group = getattr(routers[0].module, "tp_group", None)
+            self.cp_group = getattr(routers[0].module, "cp_group", None)
+        else:  # a stage without MoE layers still hands the model a mask of the right shape
+            self.tp_group, self.cp_group = _default_groups()
+        # GPTModel._preprocess scatters padding_mask for sequence parallelism on its first
+        # pipeline stage only; later stages (and HybridModel) hand it to the layers as given.
+        self.model_scatters_mask = (
+            lm is not None
+            and bool(getattr(lm, "pre_process", False))
+            and any(c.__name__ == "GPTModel" for c in type(lm).__mro__)
+        )
+        self.pending: Optional[MicrobatchReplay] = None
+        self.hook = None
+
+
+def _default_groups() -> tuple[Any, Any]:
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
+    except Exception:  # noqa: BLE001 - no process groups: a single-process model
+        pass
+    return None, None
+
+
+def _check_router(module: Any, name: str) -> None:
+    config = module.config
+    if getattr(config, "moe_router_fusion", False):
+        raise ReplayConfigError(
+            "moe_router_fusion",
+            f"True on router {name}: the fused top-k (Transformer Engine) returns before RouterReplay is consulted, so replay would do nothing",
+            expected="moe_router_fusion=False",
+        )
+    routing_type = getattr(module, "routing_type", None)
+    if isinstance(routing_type, str) and routing_type in _NO_REPLAY_ROUTING:
+        raise ReplayConfigError(
+            "moe_router_load_balancing_type",
+            f"{routing_type!r} on router {name}: this routing never consults RouterReplay, so replay would do nothing",
+            expected="a top-k routing type (aux_loss, seq_aux_loss, global_aux_loss, none)",
+        )
+    if module.layer_number is None:
+        raise ReplayConfigError(
+            "layer_number",
+            f"router {name} has no layer number",
+            expected="routers inside a TransformerLayer (it calls set_layer_number at construction)",
+        )
+
+
+_states: "weakref.WeakKeyDictionary[Any, _ModelState]" = weakref.WeakKeyDictionary()
+
+
+def _state_of(model: Any) -> _ModelState:
+    if isinstance(model, (list, tuple)):
+        raise ReplayTypeError("model", f"got a {type(model).__name__} of model chunks", expected="the one model chunk forward_step was given")
+    if not hasattr(model, "named_modules"):
+        raise ReplayTypeError("model", f"got {type(model).__name__}", expected="a torch.nn.Module (the model chunk)")
+    state = _states.get(model)
+    if state is None:
+        state = _ModelState(model)
+
+        def after_forward(module: Any, args: Any, output: Any, _state: _ModelState = state) -> None:
+            if _state.pending is not None:
+                _state.pending.switch_to_backward()
+
+        state.hook = model.register_forward_hook(after_forward)
+        _states[model] = state
+    return state
+
+
+def replay_layers(model: Any) -> tuple[int, ...]:
+    """Validate ``model`` for replay and return the global 1-based layer numbers of the routers
+    :func:`replay_routes` installs on, in module order (empty on a stage without MoE layers).
+
+    Raises:
+        ReplayConfigError: see the module docstring.
+    """
+    return _state_of(model).layer_numbers
+
+
+@dataclasses.dataclass(eq=False)
+class MicrobatchReplay:
+    """What :func:`replay_routes` installed for one microbatch.
+
+    Attributes:
+        padding_mask: bool, True = no recorded route / padding; pass it to the model as
+            ``padding_mask=``. ``[B, A]`` unpacked or ``[1, T / cp]`` packed, or its
+            sequence-parallel shard ``[.., / tp]`` on stages where the model does not scatter it.
+        layer_numbers: global 1-based layer numbers of the routers that got data.
+        replay_data: per router, the int32 ``[N, K]`` indices installed (``N`` tokens in the
+            router's order: sequence-major, ``N = A_local * B``).
+        own_rows: ``[N]`` bool, rows the trainer's own router routes (router padding mask).
+    """
+
+    padding_mask: "torch.Tensor"
+    layer_numbers: tuple[int, ...]
+    replay_data: tuple["torch.Tensor", ...]
+    own_rows: "torch.Tensor"
+    _routers: tuple[_Router, ...] = dataclasses.field(repr=False)
+    _state: Optional[_ModelState] = dataclasses.field(repr=False, default=None)
+    _switched: bool = dataclasses.field(repr=False, default=False)
+
+    @property
+    def int32_bytes(self) -> int:
+        """Bytes of int32 replay data materialised for this microbatch (one block)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.replay_data}
+        return sum(storages.values())
+
+    def switch_to_backward(self) -> None:
+        """Set ``REPLAY_BACKWARD`` on the routers that got data (idempotent). Runs
+        automatically when the model chunk's forward returns; call it yourself only when the
+        forward does not go through the chunk's ``__call__``."""
+        if self._switched:
+            return
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        for r in self._routers:
+            r.replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        self._switched = True
+        if self._state is not None and self._state.pending is self:
+            self._state.pending = None
+
+
+# ---------------------------------------------------------------------------------------
+# input validation
+
+
+def _as_tensor(x: Any, field: str) -> "torch.Tensor":
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        if not x.flags.writeable:
+            x = np.array(x)  # torch cannot wrap read-only memory without a warning
+        try:
+            return torch.from_numpy(x)
+        except TypeError as exc:
+            raise ReplayTypeError(field, f"dtype {x.dtype}: {exc}", expected="a dtype torch supports") from None
+    raise ReplayTypeError(field, f"got {type(x).__name__}", expected="a torch tensor or numpy array")
+
+
+def _check_routes(routes: Any, batch_shape: tuple[int, int], state: _ModelState) -> "torch.Tensor":
+    import torch
+
+    t = _as_tensor(routes, "routes")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ReplayTypeError("routes", f"dtype {t.dtype}", expected="integer expert ids (uint8, int16 or int32)")
+    if t.dim() != 4:
+        raise ReplayDataError("routes", f"shape {tuple(t.shape)}", expected="[batch, seq, layers, topk]")
+    if tuple(t.shape[:2]) != batch_shape:
+        raise ReplayDataError("routes", f"shape {tuple(t.shape)}", expected=f"[{batch_shape[0]}, {batch_shape[1]}, L, K] like the layout's attention_mask")
+    if state.num_layers is not None and t.shape[2] != state.num_layers:
+        raise ReplayDataError(
+            "routes",
+            f"{t.shape[2]} layers",
+            expected=f"{state.num_layers}: one entry per decoder layer of the model (dense layers included, as vLLM records them), indexed by layer_number - 1",
+        )
+    if state.topk is not None and t.shape[3] != state.topk:
+        raise ReplayDataError("routes", f"top-k {t.shape[3]}", expected=f"moe_router_topk = {state.topk}")
+    return t
+
+
+def _check_mask(mask: Any, batch_shape: tuple[int, int]) -> "torch.Tensor":
+    import torch
+
+    m = _as_tensor(mask, "router_padding_mask")
+    if m.dtype != torch.bool:
+        # 0/1 attention masks mean the opposite (1 = valid); refuse rather than guess.
+        raise ReplayTypeError("router_padding_mask", f"dtype {m.dtype}", expected="bool, True = no recorded route")
+    if tuple(m.shape) != batch_shape:
+        raise ReplayDataError("router_padding_mask", f"shape {tuple(m.shape)}", expected=f"[{batch_shape[0]}, {batch_shape[1]}] like the layout's attention_mask")
+    return m
+
+
+def _check_expert_ids(sel: "torch.Tensor", rows: "torch.Tensor", state: _ModelState) -> None:
+    """Every id of the rows that carry a route (``rows`` ``[B, S]`` True) in ``[0, num_experts)``
+    (one reduction, so one host sync; located only on failure). Other rows are replaced by the
+    dummy route before installation, whatever they hold."""
+    import torch
+
+    num_experts = state.num_experts
+    if num_experts is None or sel.numel() == 0:
+        return
+    high = num_experts <= torch.iinfo(sel.dtype).max
+    signed = sel.dtype != torch.uint8
+    if not high and not signed:
+        return  # uint8 ids cannot reach 256+ experts nor go negative
+    wrong = torch.zeros_like(sel, dtype=torch.bool)
+    if high:
+        wrong |= sel >= num_experts
+    if signed:
+        wrong |= sel < 0
+    wrong &= rows[:, :, None, None]
+    if bool(wrong.any()):
+        b, s, layer, k = (int(v) for v in wrong.nonzero()[0])
+        raise ReplayDataError(
+            "routes",
+            f"expert id {int(sel[b, s, layer, k])} in layer {state.layer_numbers[layer]}",
+            trajectory=b, token=s, expected=f"ids in [0, {num_experts})",
+        )
+
+
+def _group_size_rank(group: Any) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return group.size(), dist.get_rank(group)
+
+
+_fallback_warned = False
+
+
+def _fallback_active() -> bool:
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from replay_plugin.registry import patch_marker
+
+    return patch_marker(inspect.getattr_static(RouterReplay, "get_replay_topk")) == "megatron.replay_padding_fallback"
+
+
+# ---------------------------------------------------------------------------------------
+# the driver
+
+
+def replay_routes(
+    model: Any,
+    routes: Union[np.ndarray, "torch.Tensor"],
+    router_padding_mask: Union[np.ndarray, "torch.Tensor"],
+    layout: "TokenMetadataLayout",
+) -> MicrobatchReplay:
+    """Install one microbatch's recorded routes on the routers of ``model``.
+
+    Call inside ``forward_step``, before the model's forward, once per microbatch.
+
+    Args:
+        model: the model chunk ``forward_step`` was given (a ``GPTModel``, possibly wrapped
+            by Megatron's DDP / ``Float16Module``).
+        routes: ``[B, S, L, K]`` expert ids, any integer dtype (compact uint8/int16/int32
+            expected; numpy or tensor, any device): ``L`` = ``config.num_layers`` (one entry
+            per decoder layer, indexed by layer number - 1), ``K`` = ``moe_router_topk``.
+        router_padding_mask: ``[B, S]`` bool, True = no recorded route (padding rows).
+        layout: the microbatch's layout (its ``attention_mask`` is ``[B, S]``; its device is
+            where the replay data goes; built with this rank's CP size and rank).
+
+    Returns:
+        :class:`MicrobatchReplay`; pass its ``padding_mask`` to the model.
+
+    Raises:
+        ReplayConfigError: the model cannot replay (see the module docstring).
+        ReplayDataError / ReplayTypeError: wrong shapes, dtypes, layer counts, top-k, expert
+            ids out of range (naming the trajectory and token), a layout that does not fit
+            the model's parallelism, or the previous microbatch's forward never finished.
+    """
+    import torch
+
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from replay_plugin.core.layout import TokenMetadataLayout
+
+    if not isinstance(layout, TokenMetadataLayout):
+        raise ReplayTypeError("layout", f"got {type(layout).__name__}", expected="a replay_plugin.core.layout.TokenMetadataLayout")
+    state = _state_of(model)
+    batch_shape = tuple(layout.attention_mask.shape)
+    routes_t = _check_routes(routes, batch_shape, state)  # type: ignore[arg-type]
+    mask = _check_mask(router_padding_mask, batch_shape)  # type: ignore[arg-type]
+    device = layout.attention_mask.device
+
+    pending = state.pending
+    if pending is not None:
+        if any(r.replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD for r in pending._routers):
+            raise ReplayDataError(
+                "model",
+                "the previous microbatch's forward never returned through the model chunk passed to replay_routes, so its routers were not switched to REPLAY_BACKWARD",
+                expected="model(...) called on that chunk after each replay_routes(); else call MicrobatchReplay.switch_to_backward() or clear_routes(model)",
+            )
+        state.pending = None
+
+    cp_size, cp_rank = _group_size_rank(state.cp_group)
+    if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
+        raise ReplayDataError(
+            "layout",
+            f"built for context-parallel rank {layout.cp_rank} of {layout.cp_size}",
+            expected=f"rank {cp_rank} of {cp_size} (this process)",
+        )
+    tp_size, tp_rank = _group_size_rank(state.tp_group)
+    shard_sequence = state.sequence_parallel and tp_size > 1
+    rows, length = layout.output_shape
+    if shard_sequence and length % tp_size:
+        raise ReplayDataError(
+            "layout",
+            f"{length} tokens per row with alignment {layout.alignment}",
+            expected=f"a multiple of tensor_model_parallel_size {tp_size} under sequence parallelism (build the layout with align = tp [* 2 * cp when packed])",
+        )
+
+    mask = mask.to(device)
+    mask_aligned = layout.align(mask, True)  # [rows, length], True = no route
+    if shard_sequence:
+        chunk = length // tp_size
+        mask_local = mask_aligned[:, tp_rank * chunk : (tp_rank + 1) * chunk]
+    else:
+        mask_local = mask_aligned
+    model_mask = mask_aligned if (state.model_scatters_mask or not shard_sequence) else mask_local.contiguous()
+    # Routers see hidden states [seq, batch]: token n = s * batch + b.
+    own_rows = mask_local.transpose(0, 1).reshape(-1)
+
+    if not state.routers:
+        return MicrobatchReplay(model_mask, (), (), own_rows, (), None, True)
+
+    local = [r.layer for r in state.routers]
+    if max(local) >= routes_t.shape[2]:
+        raise ReplayDataError("routes", f"{routes_t.shape[2]} layers", expected=f"more than {max(local)} (router layer {max(local) + 1})")
+    selected = select_layers(routes_t, local).to(device, non_blocking=True)  # compact [B, S, L_local, K]
+    _check_expert_ids(selected, layout.attention_mask & ~mask, state)
+    topk = selected.shape[-1]
+    dummy = torch.arange(topk, dtype=selected.dtype, device=device)
+    aligned = layout.align(selected, dummy)  # [rows, length, L_local, K]
+    if shard_sequence:
+        aligned = aligned[:, tp_rank * chunk : (tp_rank + 1) * chunk]
+    # Rows without a route get the dummy route whatever the caller put there (e.g. -1): the
+    # replay path gathers scores at every row's indices, and stock replay routes to them. The
+    # result is laid out sequence-major, the routers' token order (hidden states are [seq, batch]).
+    seq_major = torch.where(mask_local.transpose(0, 1)[:, :, None, None], dummy, aligned.transpose(0, 1))
+    data = split_for_replay(seq_major)  # L_local x [N, K] int32, the only int32 copy
+
+    global _fallback_warned
+    fallback = _fallback_active()
+    if not fallback and not _fallback_warned:
+        _fallback_warned = True
+        log.warning(
+            "replay_plugin: patch megatron.replay_padding_fallback is not applied: rows marked in "
+            "router_padding_mask replay the dummy route [0..K-1] instead of the trainer's own routing"
+        )
+    from replay_plugin.megatron.replay_padding_fallback import mark_own_rows
+
+    for r, t in zip(state.routers, data):
+        if fallback:
+            mark_own_rows(t, own_rows)
+        r.replay.set_target_indices(t)
+        r.replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    replay = MicrobatchReplay(model_mask, state.layer_numbers, tuple(data), own_rows, state.routers, state)
+    state.pending = replay
+    return replay
+
+
+def clear_routes(model: Any) -> None:
+    """Clear targets, backward FIFOs and actions of ``model``'s routers (recorded indices
+    stay). Schedules do this themselves (``megatron.router_replay_scope``); call it after
+    replaying outside a schedule."""
+    state = _state_of(model)
+    for r in state.routers:
+        r.replay.target_topk_idx = None
+        r.replay.replay_backward_list = []
+        r.replay.router_replay_action = None
+    state.pending = None
