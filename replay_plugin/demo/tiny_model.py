@@ -8,7 +8,8 @@ holds a complete build with the same arguments is reused.
 vLLM's CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, ...} only, hence
 ``head_dim=64`` (research/vllm.md). ``lm_head_scale`` sharpens the output distribution so that
 top-k/top-p truncation matters; ``tied_tokens`` gives groups of token ids identical output rows,
-so their logits tie exactly (the tie test model).
+so their logits tie exactly, and ``tie_group_size`` ties the whole vocabulary in runs of that
+many ids (the tie model of the vLLM tests and benchmark).
 """
 
 from __future__ import annotations
@@ -47,9 +48,21 @@ class TinyMoEConfig:
     router_scale: float = 1.0
     #: groups of token ids whose lm_head rows are made identical (exact logit ties)
     tied_tokens: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+    #: when > 1, every run of this many consecutive token ids (over the whole vocabulary, whose
+    #: size is only known once the tokenizer is trained) shares one lm_head row: every logit
+    #: value occurs that many times, so top-k with k not a multiple of it always cuts a tie
+    tie_group_size: int = 0
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+        fields = asdict(self)
+        # Fields added later are hashed only when set, so earlier builds keep their cache keys.
+        for name, default in _LATER_FIELDS.items():
+            if fields.get(name) == default:
+                fields.pop(name)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+_LATER_FIELDS = {"tie_group_size": 0}
 
 
 def default_cache_dir() -> str:
@@ -125,7 +138,11 @@ def build_tiny_moe(directory: Optional[str] = None, config: Optional[TinyMoEConf
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None and hasattr(gate, "weight"):
                 gate.weight.mul_(cfg.router_scale)
-        for group in cfg.tied_tokens:
+        groups = list(cfg.tied_tokens)
+        if cfg.tie_group_size > 1:
+            size = cfg.tie_group_size
+            groups += [tuple(range(start, min(start + size, vocab))) for start in range(0, vocab, size)]
+        for group in groups:
             first = model.lm_head.weight[group[0]].clone()
             for token in group[1:]:
                 model.lm_head.weight[token].copy_(first)

