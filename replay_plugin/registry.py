@@ -509,8 +509,10 @@ class Registry:
             return self._status(spec, "reverted", "replay_plugin.deactivate()", version)
 
     def revert_all(self) -> list[PatchStatus]:
+        """Revert in the reverse order of application, so that a patch wrapped on top of another
+        one (both ours) is removed first instead of blocking the inner one's revert."""
         with self.lock:
-            return [self.revert(name) for name in list(self.patchers)]
+            return [self.revert(name) for name in reversed(list(self.patchers))]
 
 
 _REGISTRY: Optional[Registry] = None
