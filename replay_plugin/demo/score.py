@@ -1,0 +1,172 @@
+"""The demo's trainer side: re-score the rollout with a Megatron-core ``GPTModel``.
+
+One microbatch holds every trajectory, left-padded to ``[B, S]``; the model sees the unpacked
+layout of :class:`~replay_plugin.core.layout.TokenMetadataLayout` (valid tokens
+left-justified). Four settings per precision:
+
+``none``     the trainer's ordinary full-vocabulary logprob, its own routing
+``routes``   routed-expert replay (``replay_plugin.megatron.replay_routes``)
+``support``  sampler-support replay (logprob renormalised over the recorded support)
+``both``     both
+
+Route agreement is measured from what the routers actually did (a forward hook on every
+``TopKRouter`` reads its routing map), not from what was installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+SETTINGS = ("none", "routes", "support", "both")
+
+
+@dataclass
+class Batch:
+    """Host-side batch built once from the rollout (all ``[B, S]`` unless noted)."""
+
+    input_ids: np.ndarray          # int64, left-padded
+    attention_mask: np.ndarray     # bool
+    response_mask: np.ndarray      # bool, True at response tokens
+    rollout_logprobs: np.ndarray   # float32, vLLM's processed logprob at response tokens
+    routes: Optional[np.ndarray]   # [B, S, L, K] compact, pad_batch
+    router_padding_mask: Optional[np.ndarray]  # bool, True = no recorded route
+    support: np.ndarray            # int32 [B, S, W], right-aligned rows, -1 elsewhere
+    pad_id: int
+    num_inexact: int
+
+
+def make_batch(trajectories: list, pad_id: int, eos_id: int) -> Batch:
+    from ..core.routes import pad_batch
+    from ..core.support import dense_support_batch
+
+    lengths = [len(t.prompt) + len(t.response) for t in trajectories]
+    B, S = len(trajectories), max(lengths)
+    input_ids = np.full((B, S), pad_id, dtype=np.int64)
+    attention = np.zeros((B, S), dtype=bool)
+    response = np.zeros((B, S), dtype=bool)
+    rollout_lp = np.zeros((B, S), dtype=np.float32)
+    for i, t in enumerate(trajectories):
+        seq = np.concatenate([t.prompt, t.response]).astype(np.int64)
+        input_ids[i, S - len(seq):] = seq
+        attention[i, S - len(seq):] = True
+        response[i, S - len(t.response):] = True
+        rollout_lp[i, S - len(t.response):] = t.support.sampled_logprob
+    dense = dense_support_batch([t.support for t in trajectories], [t.response for t in trajectories],
+                                [np.ones(len(t.response), dtype=bool) for t in trajectories], S, eos_id)
+    routes = rpm = None
+    if all(t.routes is not None for t in trajectories):
+        routes, rpm_t = pad_batch([t.routes for t in trajectories], attention)
+        rpm = rpm_t.numpy()
+    return Batch(input_ids, attention, response, rollout_lp, routes, rpm, np.asarray(dense.ids), pad_id,
+                 int(dense.num_inexact))
+
+
+@dataclass
+class Scored:
+    """Per response token, flattened over the batch in row-major order."""
+
+    logprobs: np.ndarray         # float32 [N]
+    route_match: Optional[np.ndarray]  # bool [N]: experts equal the rollout's in every layer
+
+
+class _RoutingSpy:
+    """Records each router's routing map (``[tokens, experts]`` bool, tokens sequence-major)."""
+
+    def __init__(self, model: Any) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.maps: dict[int, Any] = {}
+        self.handles = []
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                self.handles.append(module.register_forward_hook(self._hook(module)))
+
+    def _hook(self, module: Any) -> Callable:
+        def hook(mod, args, output):
+            self.maps[int(mod.layer_number)] = output[1].detach()
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def score(model: Any, batch: Batch, setting: str, *, temperature: float = 1.0,
+          support_fn: Optional[Callable[..., Any]] = None) -> Scored:
+    """Forward the batch once under ``setting`` and score every response token."""
+    import torch
+
+    from ..core.layout import TokenMetadataLayout
+    from ..megatron import clear_routes, replay_routes
+
+    use_routes = setting in ("routes", "both")
+    use_support = setting in ("support", "both")
+    if use_routes and batch.routes is None:
+        raise RuntimeError("routed-expert replay needs routes from the rollout (enable_return_routed_experts)")
+    layout = TokenMetadataLayout.build(torch.from_numpy(batch.attention_mask), packed=False, align=1)
+    ids = layout.align(torch.from_numpy(batch.input_ids), batch.pad_id)
+    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    padding_mask = None
+    if use_routes:
+        replay = replay_routes(model, batch.routes, batch.router_padding_mask, layout)
+        padding_mask = replay.padding_mask
+    spy = _RoutingSpy(model)
+    try:
+        with torch.no_grad():
+            logits = model(ids, positions, None, padding_mask=padding_mask)  # [B, A, V]
+    finally:
+        spy.remove()
+        if use_routes:
+            clear_routes(model)
+    next_ids = layout.align(torch.from_numpy(batch.input_ids), batch.pad_id, next_token=True)
+    if use_support:
+        assert support_fn is not None
+        slot_lp = support_fn(logits, batch, layout, temperature)
+    else:
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+        slot_lp = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+    per_pos = layout.restore(slot_lp, 0.0).numpy()  # [B, S-1]: position s scores token s+1
+    target = batch.response_mask[:, 1:]
+    logprobs = per_pos[target].astype(np.float32)
+
+    route_match = None
+    if batch.routes is not None and spy.maps:
+        route_match = _route_agreement(spy.maps, batch, layout, ids.shape)[target]
+    return Scored(logprobs, route_match)
+
+
+def _route_agreement(maps: dict, batch: Batch, layout: Any, aligned_shape: tuple) -> np.ndarray:
+    """``[B, S-1]`` bool: the token at position s (which predicts token s+1) went to the
+    rollout's experts in every layer."""
+    import torch
+
+    B, A = aligned_shape
+    routes = torch.from_numpy(batch.routes.astype(np.int64))
+    k = routes.shape[-1]
+    match = torch.ones(B, A, dtype=torch.bool)
+    for layer_number, routing_map in sorted(maps.items()):
+        experts = routing_map.shape[-1]
+        used = routing_map.view(A, B, experts).transpose(0, 1)  # tokens are sequence-major
+        recorded = layout.align(routes[:, :, layer_number - 1], 0)  # [B, A, K]
+        want = torch.zeros(B, A, experts, dtype=torch.bool).scatter_(-1, recorded, True)
+        match &= (used == want).all(-1) & (used.sum(-1) == k)
+    per_pos = layout.restore(match.float(), 0.0).numpy() > 0.5  # slot j -> the position of token j
+    return per_pos
+
+
+def megatron_support_fn(logits: Any, batch: Batch, layout: Any, temperature: float) -> Any:
+    """Support-renormalised logprob per slot via the Megatron support-replay path."""
+    import torch
+
+    from ..core.logprobs import replay_logprobs
+
+    next_ids = layout.align(torch.from_numpy(batch.input_ids), batch.pad_id, next_token=True)
+    support = layout.align(torch.from_numpy(batch.support), -1, next_token=True)
+    loss = layout.align(torch.from_numpy(batch.response_mask), False, next_token=True)
+    rows = torch.arange(loss.shape[0]).unsqueeze(1).expand_as(loss)
+    traj = torch.where(loss, rows, -1)
+    out = replay_logprobs(logits, next_ids, support, loss, traj, loss.shape[0], temperature=temperature)
+    return out.logprobs
