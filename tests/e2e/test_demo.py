@@ -1,0 +1,82 @@
+"""The main job: `replay-plugin demo` on the embedded tiny model, reduced, in a fresh process,
+and the converter it relies on."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import need, run_python
+
+pytestmark = pytest.mark.timeout(900)
+
+CONVERTER = r"""
+import json, os
+os.environ["TORCHDYNAMO_DISABLE"] = "1"
+import torch
+from transformers import AutoModelForCausalLM
+from replay_plugin.demo import DEMO_MODEL, cpu, convert
+from replay_plugin.demo.tiny_model import build_tiny_moe
+d = build_tiny_moe(config=DEMO_MODEL)
+hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # before the shims (see demo/cpu.py)
+torch.manual_seed(0)
+ids = torch.randint(0, hf.config.vocab_size, (3, 40))
+with torch.no_grad():
+    ref = hf(ids).logits
+cpu.apply(); cpu.init_single_process()
+out = {}
+for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    m = convert.build_gpt_model(d, dt)
+    with torch.no_grad():
+        got = m(ids, torch.arange(40).expand(3, 40), None).float()
+    out[name] = (got - ref).abs().max().item()
+out["scale"] = ref.abs().max().item()
+print("REPORT" + json.dumps(out))
+"""
+
+
+def test_converter_reproduces_hf_logits():
+    need("megatron-core", "vllm")
+    proc = run_python(CONVERTER)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])
+    assert out["float32"] < 1e-4 * max(1.0, out["scale"]), out  # float tolerance
+    assert out["float32"] < out["bfloat16"]  # bf16 differs (that is the point of the demo)
+
+
+def test_reduced_demo_meets_the_acceptance_figures(tmp_path):
+    need("megatron-core", "vllm")
+    out_json, out_png = tmp_path / "demo.json", tmp_path / "demo.png"
+    exe = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+    proc = subprocess.run([exe, "demo", "--num-prompts", "8", "--max-tokens", "32", "--json", str(out_json),
+                           "--plot", str(out_png)], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[demo " in proc.stderr  # progress is shown
+    assert "mean ratio" in proc.stdout  # the table
+    doc = json.loads(out_json.read_text())
+    rows = {(r["precision"], r["replay"]): r for r in doc["rows"]}
+    assert set(rows) == {(p, s) for p in ("float32", "bfloat16") for s in ("none", "routes", "support", "both")}
+    keys = {"precision", "replay", "mean_abs_delta", "max_abs_delta", "k3_kl", "mean_ratio",
+            "frac_ratio_outside", "route_agreement"}
+    assert all(set(r) == keys for r in doc["rows"])
+
+    f32, bf16 = {s: rows[("float32", s)] for s in ("none", "routes", "support", "both")}, \
+        {s: rows[("bfloat16", s)] for s in ("none", "routes", "support", "both")}
+    # float32 with both replays: only numeric noise between two float32 implementations remains
+    assert f32["both"]["mean_abs_delta"] <= 1e-4
+    assert abs(f32["both"]["mean_ratio"] - 1.0) <= 1e-4
+    # stock float32 is visibly off: the truncation bias of top-k/top-p sampling
+    assert f32["none"]["mean_ratio"] < 0.95 and f32["none"]["frac_ratio_outside"] > 0.5
+    # bfloat16: routed-expert replay gives 100% agreement where stock does not
+    assert bf16["routes"]["route_agreement"] == 1.0 and bf16["both"]["route_agreement"] == 1.0
+    assert bf16["none"]["route_agreement"] < 1.0
+    # adding sampler-support replay brings the mean ratio within 0.01 of 1
+    assert abs(bf16["both"]["mean_ratio"] - 1.0) <= 0.01
+    # each replay lowers the mismatch it targets
+    assert abs(bf16["support"]["mean_ratio"] - 1.0) < abs(bf16["none"]["mean_ratio"] - 1.0)
+    assert out_png.exists() and out_png.stat().st_size > 10_000
+    assert doc["meta"]["seconds"] < 180
