@@ -22,6 +22,34 @@
    counted (:func:`int32_bytes_during`, a ``TorchDispatchMode``), against the bytes of
    converting the global routes to int32 (what a driver that widens first materialises). Goal:
    each rank materialises exactly its share (2 of 4 layers), i.e. the ratio is 0.5.
+
+3. **Support-renormalised response logprobs vs Megatron's own full-vocabulary path, TP=2**:
+   two gloo processes (CPU) build the same tiny dense ``GPTModel`` (vocabulary 32,768, 16,384
+   per rank) and score one batch (4 x 512 tokens, the last half of each row a response with
+   width-32 supports, one synthetic EOS) forward + backward, gradients reaching the output
+   layer's input and weight:
+
+   - ``megatron``: the model's output layer (``ColumnParallelLinear``) then
+     ``vocab_parallel_cross_entropy`` on the vocab-parallel logits, i.e. what a Megatron trainer
+     computes today;
+   - ``helper_logits``: the same output layer, then
+     :func:`replay_plugin.megatron.replay_response_logprobs` with the support batch;
+   - ``helper_fused``: ``replay_response_logprobs`` on the output layer's input and weight
+     (no ``[tokens, V/tp]`` logits);
+   - ``helper_off``: ``replay_response_logprobs`` without support (Megatron's path inside the
+     helper: the cost of its layout handling).
+
+   The output layer's input is the model's embedding output through its final layer norm: the
+   decoder layers need CUDA shims on CPU that the plugin does not carry, and they cost the same
+   whichever logprob follows. From logits the helper's peak exceeds Megatron's by about one
+   ``[tokens, V/tp]`` float32 buffer: autograd's gradient of the support gather is a dense
+   zero-filled tensor, while ``vocab_parallel_cross_entropy`` reuses its softmax buffer as the
+   gradient; the fused path has no such buffer.
+
+   Time: best of a few interleaved steps after a warm-up (the slower rank's figure). Peak
+   memory: ``VmHWM - VmRSS`` around one step on each rank (the larger), with glibc serving
+   blocks of 64 KiB or more by their own mappings so that freed memory leaves the resident set
+   (as in ``bench logprobs``).
 """
 
 from __future__ import annotations
@@ -240,6 +268,195 @@ def _pp_bytes() -> list[Result]:
     return results
 
 
+# ---------------------------------------------------------------------------------------
+# 3. support-renormalised response logprobs vs Megatron's full-vocabulary path, TP=2
+
+_SUPPORT_FULL = {"batch": 4, "seq": 512, "vocab": 32768, "hidden": 64, "width": 32, "repeats": 3}
+_SUPPORT_QUICK = {"batch": 2, "seq": 128, "vocab": 4096, "hidden": 32, "width": 8, "repeats": 1}
+_SUPPORT_METHODS = ("megatron", "helper_logits", "helper_fused", "helper_off")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _support_batch(shape: dict):
+    """Left-padded ids ``[B, S]``, attention, response loss mask and support rows ``[B, S, W]``
+    (random distinct ids containing the token; row 0's last token a synthetic EOS)."""
+    import torch
+
+    b, s, v, w = shape["batch"], shape["seq"], shape["vocab"], shape["width"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, v, (b, s), generator=g)
+    attention = torch.ones(b, s, dtype=torch.bool)
+    attention[1:, : s // 8] = False  # rows 1.. left-padded
+    loss = torch.zeros(b, s, dtype=torch.bool)
+    loss[:, s // 2:] = True
+    support = torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(b * s)]).view(b, s, w).to(torch.int32)
+    has = (support == ids.unsqueeze(-1).to(torch.int32)).any(-1)
+    support[..., -1] = torch.where(has, support[..., -1], ids.to(torch.int32))
+    support[~loss] = -1
+    support[0, -1] = -1
+    return ids, attention, loss, support
+
+
+def _support_rank(rank: int, world: int, port: int, shape: dict, queue) -> None:
+    try:
+        import gc
+
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        from replay_plugin.core.layout import TokenMetadataLayout
+        from replay_plugin.megatron import replay_response_logprobs
+
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        parallel_state.initialize_model_parallel(world, 1)
+        b, s, temperature = shape["batch"], shape["seq"], 0.8
+        cfg = TransformerConfig(
+            num_layers=1, hidden_size=shape["hidden"], num_attention_heads=2, ffn_hidden_size=2 * shape["hidden"],
+            use_cpu_initialization=True, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=world, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        )
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=shape["vocab"],
+                         max_sequence_length=s)
+        ids, attention, loss, support = _support_batch(shape)
+        layout = TokenMetadataLayout.build(attention, packed=False, align=world)
+        x = layout.align(ids, 0)
+        with torch.no_grad():
+            pos = torch.arange(x.shape[1]).expand_as(x)
+            hidden0 = model.decoder.final_layernorm(model.embedding(x, pos)).detach()  # [A, B, H]
+        labels = layout.align(ids, 0, next_token=True)
+        weight = model.output_layer.weight
+        upstream = torch.randn(b, s - 1, generator=torch.Generator().manual_seed(1))
+        upstream_ce = layout.align(torch.nn.functional.pad(upstream, (0, 1)), 0.0)  # [B, A]
+        replay = dict(support_ids=support, loss_mask=loss, temperature=temperature)
+
+        def step(method: str) -> None:
+            hidden = hidden0.clone().requires_grad_()
+            weight.grad = None
+            if method == "megatron":
+                logits, _ = model.output_layer(hidden)
+                out = -vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous() / temperature, labels)
+                torch.autograd.backward(out, upstream_ce)
+                return
+            if method == "helper_logits":
+                logits, _ = model.output_layer(hidden)
+                out = replay_response_logprobs(logits.transpose(0, 1).contiguous(), ids, layout, **replay)
+            elif method == "helper_fused":
+                out = replay_response_logprobs(hidden, ids, layout, output_weight=weight, **replay)
+            else:
+                logits, _ = model.output_layer(hidden)
+                out = replay_response_logprobs(logits.transpose(0, 1).contiguous(), ids, layout,
+                                               temperature=temperature)
+            torch.autograd.backward(out, upstream)
+
+        for method in _SUPPORT_METHODS:  # warm-up
+            step(method)
+        best = {m: float("inf") for m in _SUPPORT_METHODS}
+        for _ in range(shape["repeats"]):
+            for method in _SUPPORT_METHODS:
+                dist.barrier()
+                start = time.perf_counter()
+                step(method)
+                best[method] = min(best[method], time.perf_counter() - start)
+        peak = {}
+        for method in _SUPPORT_METHODS:
+            weight.grad = None
+            gc.collect()
+            dist.barrier()
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                reset = True
+            except OSError:
+                reset = False
+            before = _status_kib("VmRSS")
+            step(method)
+            peak[method] = (_status_kib("VmHWM") - before) * 1024
+        queue.put((rank, {"seconds": best, "peak": peak, "hwm_reset": reset}))
+    except BaseException as exc:  # noqa: BLE001
+        import traceback
+
+        queue.put((rank, {"error": f"{exc!r}: {traceback.format_exc()[-500:]}"}))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _support_tp2(quick: bool) -> list[Result]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    shape = _SUPPORT_QUICK if quick else _SUPPORT_FULL
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # Every block of 64 KiB or more its own mapping, returned to the OS when freed: the ranks'
+    # resident-set high-water marks then see each step's own allocations.
+    saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    os.environ.update({"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"})
+    try:
+        ctx = mp.get_context("spawn")
+        queue = ctx.SimpleQueue()
+        procs = [ctx.Process(target=_support_rank, args=(r, 2, port, shape, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = dict(queue.get() for _ in procs)
+        for p in procs:
+            p.join(60)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    errors = [r["error"] for r in got.values() if "error" in r]
+    if errors:
+        return [Result(BENCH, "support logprobs TP=2", None, note=errors[0])]
+    seconds = {m: max(r["seconds"][m] for r in got.values()) for m in _SUPPORT_METHODS}
+    peak = {m: max(r["peak"][m] for r in got.values()) for m in _SUPPORT_METHODS}
+    tokens = shape["batch"] * shape["seq"]
+    note = (f"TP=2 gloo CPU, {shape['batch']}x{shape['seq']} tokens, V={shape['vocab']} ({shape['vocab'] // 2}/rank), "
+            f"H={shape['hidden']}, W={shape['width']}, fwd+bwd, best of {shape['repeats']} after a warm-up")
+    labels = {
+        "megatron": "Megatron full-vocab (output layer + vocab_parallel_cross_entropy)",
+        "helper_logits": "replay_response_logprobs from logits",
+        "helper_fused": "replay_response_logprobs fused (hidden + weight)",
+        "helper_off": "replay_response_logprobs, replay off",
+    }
+    mem_note = "VmHWM - VmRSS around one step, larger rank" + (
+        "" if all(r["hwm_reset"] for r in got.values()) else " (clear_refs not writable: includes earlier steps)")
+    results = []
+    for m in _SUPPORT_METHODS:
+        results.append(Result(BENCH, f"support TP=2 time, {labels[m]}", seconds[m] * 1e3, "ms", note=note))
+        results.append(Result(BENCH, f"support TP=2 peak memory, {labels[m]}", peak[m] / 2**20, "MiB", note=mem_note))
+    # Goals at full size only: the quick shapes measure fixed overheads.
+    time_goals = {"helper_logits": "<= 1.5", "helper_fused": "<= 1", "helper_off": "<= 1.5"}
+    memory_goals = {"helper_fused": "<= 0.5"}
+    for m in ("helper_logits", "helper_fused", "helper_off"):
+        results.append(Result(BENCH, f"support TP=2 time ratio, {labels[m]} / Megatron", seconds[m] / seconds["megatron"],
+                              "x", None if quick else time_goals.get(m), note=f"{tokens} tokens"))
+        if peak["megatron"] > 0:
+            results.append(Result(BENCH, f"support TP=2 peak memory ratio, {labels[m]} / Megatron",
+                                  peak[m] / peak["megatron"], "x", None if quick else memory_goals.get(m)))
+    return results
+
+
 def run(quick: bool = False) -> list[Result]:
     try:
         import megatron.core  # noqa: F401
@@ -247,4 +464,4 @@ def run(quick: bool = False) -> list[Result]:
     except ImportError as exc:
         return [Result(BENCH, "(not available)", None, note=f"needs the [megatron] extra: {exc}")]
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # for the spawned ranks: nothing here is compiled
-    return _scope_overhead(quick) + _pp_bytes()
+    return _scope_overhead(quick) + _pp_bytes() + _support_tp2(quick)

@@ -1,22 +1,35 @@
-"""Megatron-core: the patches (``patches.py``, loaded by the registry) and the route-replay
-driver for Megatron trainers (:mod:`replay_plugin.megatron.replay`).
+"""Megatron-core: the patches (``patches.py``, loaded by the registry), the route-replay driver
+for Megatron trainers (:mod:`replay_plugin.megatron.replay`) and sampler-support replay
+(:mod:`replay_plugin.megatron.support`).
 
-Importing this package imports neither megatron nor torch: the driver's names are loaded on
-first attribute access.
+Importing this package imports neither megatron nor torch: the public names are loaded from
+their modules on first attribute access.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MicrobatchReplay", "ReplayConfigError", "clear_routes", "replay_layers", "replay_routes"]
+#: public name -> submodule that defines it
+_EXPORTS = {
+    "MicrobatchReplay": "replay",
+    "ReplayConfigError": "replay",
+    "clear_routes": "replay",
+    "replay_layers": "replay",
+    "replay_routes": "replay",
+    "replay_response_logprobs": "support",
+    "support_logprobs": "support",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import replay
+    module = _EXPORTS.get(name)
+    if module is not None:
+        import importlib
 
-        return getattr(replay, name)
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -63,6 +63,7 @@ def reinit_parallel(**parallel: Any) -> None:
         tensor_model_parallel_size=parallel.get("tp", 1),
         pipeline_model_parallel_size=parallel.get("pp", 1),
         virtual_pipeline_model_parallel_size=parallel.get("vp"),
+        context_parallel_size=parallel.get("cp", 1),
     )
     model_parallel_cuda_manual_seed(1234)
 
@@ -120,24 +121,40 @@ def config(**overrides: Any):
     return TransformerConfig(**base)
 
 
+def dense_config(**overrides: Any):
+    """A tiny dense (no MoE) TransformerConfig that runs on CPU: for tests of the output layer."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, use_cpu_initialization=True,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+    )
+    base.update(overrides)
+    return TransformerConfig(**base)
+
+
 VOCAB = 32
 MAX_SEQ = 64
 
 
 def build_model(cfg=None, *, pre_process: bool = True, post_process: bool = True, seed: int = 0,
-                vp_stage: Optional[int] = None, **overrides: Any):
+                vp_stage: Optional[int] = None, vocab_size: int = VOCAB, **overrides: Any):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     cfg = cfg or config(**overrides)
     torch.manual_seed(seed)
-    if isinstance(cfg.moe_layer_freq, list):  # a dense/MoE layer pattern needs the block spec
+    if cfg.num_moe_experts is None:
+        spec = get_gpt_layer_local_spec()
+    elif isinstance(cfg.moe_layer_freq, list):  # a dense/MoE layer pattern needs the block spec
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     else:
         spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
     extra = {} if vp_stage is None else {"vp_stage": vp_stage}
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=MAX_SEQ,
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=MAX_SEQ,
                     pre_process=pre_process, post_process=post_process, **extra)
 
 

@@ -1,0 +1,481 @@
+"""Sampler-support replay for Megatron trainers: score rollout tokens over their recorded support.
+
+With top-k / top-p / min-p sampling the rollout engine draws each token from a truncated,
+renormalised distribution, while a Megatron trainer scores it over the full vocabulary
+(``vocab_parallel_cross_entropy``). The two differ by the log of the probability mass the
+sampler kept, which is the train-inference gap this module closes: the trainer renormalises
+each sampled token's logprob over exactly the support recorded at rollout
+(:mod:`replay_plugin.core.logprobs`, DESIGN.md "Support-renormalised logprob").
+
+Two entry points:
+
+* :func:`support_logprobs`: the low-level call on the model's vocab-parallel output
+  ``[b, s, V/tp]`` with ids already aligned to the logits' positions; the tensor-parallel group
+  and this rank's vocabulary range come from ``megatron.core.parallel_state``.
+* :func:`replay_response_logprobs`: the call for a trainer's loss / logprob function. It takes
+  the model output (logits, or hidden states and the output layer's weight for the fused path
+  that never materialises ``[tokens, V/tp]``), the batch's input ids ``[B, S]``, the dense
+  support batch ``[B, S, W]`` and the response loss mask in the same grid, and the microbatch's
+  :class:`~replay_plugin.core.layout.TokenMetadataLayout` (unpacked, packed, context parallel).
+  It shifts sampled ids, support rows and the loss mask to the positions that predict them,
+  scores every loss-bearing token over its support, gives each trajectory's synthetic EOS (a
+  loss-bearing token without support, appended after the engine returned) its
+  full-vocabulary logprob with a fixed number of collectives, and returns logprobs in batch
+  layout ``[B, S - 1]`` (``[B, num_actions]`` when asked). Without support it returns
+  Megatron's own full-vocabulary logprobs (``-vocab_parallel_cross_entropy``), so one code
+  path serves replay on and off.
+
+Usage, in a trainer's ``forward_step`` (unpacked; packed/THD: ``packed=True, align=tp * cp * 2
+if cp > 1 else tp, cp_size=cp, cp_rank=cp_rank`` and the packed ids / positions /
+``PackedSeqParams`` the trainer already builds)::
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)  # input_ids, attention_mask [B, S]; support = dense_support_batch(...)
+        layout = TokenMetadataLayout.build(mb["attention_mask"], packed=False, align=tp_size)
+        x = layout.align(mb["input_ids"], pad_token_id)  # [B, A]
+        position_ids = torch.arange(x.shape[1], device=x.device).expand_as(x)
+        logits = model(x, position_ids, None)  # [B, A, V/tp], labels=None
+
+        def loss_func(logits):
+            logprobs = replay_response_logprobs(
+                logits, mb["input_ids"], layout, support_ids=mb["support"].ids,
+                loss_mask=mb["support"].loss_mask, temperature=sampling_temperature,
+                num_actions=num_actions)  # [B, num_actions] float32
+            ...  # the policy loss on logprobs, as before
+
+        return logits, loss_func
+
+Upstream facts this relies on (megatron-core 0.16.1 and 0.19.2, checked in both):
+
+* ``GPTModel.forward(..., labels=None)`` returns the logits **batch-first** ``[b, s, V/tp]``
+  (it transposes the output layer's ``[s, b, V/tp]``), in both versions; with sequence
+  parallelism the output layer gathers the sequence first, so ``s`` is the full length. The
+  output layer's input (the fused path's ``hidden``) is sequence-first ``[s, b, H]``
+  (``[s / tp, b, H]`` under sequence parallelism).
+* 0.19 multiplies the logits by ``_scale_logits`` after the output layer when
+  ``config.use_mup`` is set; the fused path projects ``hidden @ W.T`` only, so fold that factor
+  ``c`` into the temperature (``temperature / c``) there.
+* ``vocab_parallel_cross_entropy`` subtracts the max from its input **in place** (its
+  ``.float()`` is a no-op on float32), so the replay-off path always hands it a new tensor
+  (``logits / temperature``): the caller's logits survive.
+* megatron-core 0.16.x's ``copy_to_tensor_model_parallel_region`` loses its backward all-reduce
+  when the incoming gradient is not contiguous (``_reduce`` reduces ``input_.contiguous()``, a
+  copy, and returns ``input_``); the fused path hands it a contiguous gradient. Fixed in 0.19.
+* Local (non Transformer Engine) attention refuses context parallelism and packed sequences
+  (``DotProductAttention`` asserts ``context_parallel_size == 1`` and
+  ``packed_seq_params is None``); this module never calls attention and works on the logits of
+  any layout, but a CPU-only test cannot run a CP model (see
+  ``tests/integration/megatron/test_support_replay.py``).
+
+Collectives per call (data-independent): replay on, 4 ``all_reduce`` over the tensor-parallel
+group when ``tp > 1`` (2 for the support logprob, 2 for the fixed-capacity full-vocabulary
+fallback); replay off, Megatron's 3; plus 1 ``all_gather`` over the context-parallel group when
+``cp > 1`` and, on the fused path under sequence parallelism, Megatron's sequence gather.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.layout import TokenMetadataLayout
+from replay_plugin.core import logprobs as core
+
+__all__ = ["replay_response_logprobs", "support_logprobs"]
+
+TensorLike = Union[torch.Tensor, np.ndarray]
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron's process groups
+
+
+def _groups(kind: str) -> tuple[Optional[Any], int, int]:
+    """``(group or None, size, rank)`` of Megatron's tensor- or context-parallel group; a
+    single-process model (parallel state not initialised) is ``(None, 1, 0)``."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None, 1, 0
+    if kind == "tp":
+        group, size, rank = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
+                             ps.get_tensor_model_parallel_rank())
+    else:
+        group, size, rank = (ps.get_context_parallel_group(), ps.get_context_parallel_world_size(),
+                             ps.get_context_parallel_rank())
+    return (group if size > 1 else None), size, rank
+
+
+def _vocab_start(local_vocab: int, rank: int, size: int) -> int:
+    from megatron.core.tensor_parallel.utils import VocabUtility
+
+    return int(VocabUtility.vocab_range_from_per_partition_vocab_size(local_vocab, rank, size)[0])
+
+
+# ---------------------------------------------------------------------------------------
+# low level
+
+
+def support_logprobs(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    support_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Support-renormalised logprobs on Megatron's vocab-parallel logits.
+
+    Args:
+        logits: ``[b, s, V/tp]`` (any ``[..., V/tp]``) this rank's vocabulary shard, raw (not
+            divided by the temperature), any float dtype: what ``GPTModel`` returns with
+            ``labels=None``.
+        sampled_ids: ``[b, s]`` integer global token ids, aligned to the logits' positions
+            (position ``p`` scores ``sampled_ids[p]``: already next-token shifted).
+        support_ids: ``[b, s, W]`` integer (int32 by contract) global ids, ``-1`` padding,
+            aligned like ``sampled_ids``.
+        temperature: ``T > 0``; the gathered logits are divided by it.
+
+    Returns:
+        ``(logprobs, valid)``: float32 ``[b, s]`` and bool ``[b, s]`` (False where the row has
+        no support; logprob 0 there). Values, and the gradient of this rank's logits shard,
+        equal :func:`replay_plugin.core.logprobs.support_logprobs` on the logits gathered over
+        the tensor-parallel group. Two ``all_reduce`` calls when ``tp > 1``.
+    """
+    group, size, rank = _groups("tp")
+    return core.support_logprobs(
+        logits, sampled_ids, support_ids, temperature=temperature,
+        vocab_start=_vocab_start(logits.shape[-1], rank, size), tp_group=group,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# batch level
+
+
+def replay_response_logprobs(
+    output: torch.Tensor,
+    input_ids: TensorLike,
+    layout: TokenMetadataLayout,
+    *,
+    support_ids: Optional[TensorLike] = None,
+    loss_mask: Optional[TensorLike] = None,
+    output_weight: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    num_actions: Optional[int] = None,
+    width: Optional[int] = None,
+    sub_sequence_lengths: Optional[Sequence[Sequence[int]]] = None,
+    chunk_size: int = core.DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Per-token logprobs of one microbatch, support-renormalised where support was recorded.
+
+    Call it in the trainer's loss / logprob function on the model output of the microbatch.
+
+    Args:
+        output: the model output on this rank, in the layout's input layout (``rows, length =
+            layout.output_shape``: ``[B, A]`` unpacked, ``[1, T / cp]`` packed):
+
+            * logits ``[rows, length, V/tp]`` (batch-first, as ``GPTModel`` returns them
+              with ``labels=None``), any float dtype; or
+            * with ``output_weight``: the output layer's input ``[length, rows, H]``
+              (sequence-first), or its sequence-parallel shard ``[length / tp, rows, H]``
+              (gathered here with Megatron's ``gather_from_sequence_parallel_region``). Without
+              sequence parallelism it goes through ``copy_to_tensor_model_parallel_region``,
+              as ``ColumnParallelLinear`` does, so its gradient is all-reduced over the
+              vocabulary shards.
+        input_ids: ``[B, S]`` integer token ids of the batch grid (the grid of
+            ``layout.attention_mask``; usually left-padded).
+        layout: the microbatch's layout, built with this process's context-parallel size and
+            rank (``packed=True, align=tp * cp * 2`` with CP; ``tp`` otherwise).
+        support_ids: ``[B, S, W]`` integer (int32) support rows in the same grid:
+            ``support_ids[b, s]`` is the support the sampler had for token
+            ``input_ids[b, s]``, ``-1`` padding, all ``-1`` where none (prompt, padding,
+            synthetic EOS): ``DenseSupport.ids`` of
+            :func:`replay_plugin.core.support.dense_support_batch`. None = replay off.
+        loss_mask: response loss mask, required with ``support_ids``: bool or 0/1,
+            ``[B, S]`` in the grid (``DenseSupport.loss_mask``), or ``[B, n]`` with
+            ``n < S`` for the last ``n`` columns of the grid (a trainer's
+            ``[B, num_actions]`` response mask). Ignored with replay off.
+        output_weight: ``[V/tp, H]`` the output layer's weight shard
+            (``model.output_layer.weight``, or ``model.shared_embedding_or_output_weight()``
+            with tied embeddings): selects the fused path.
+        temperature: the rollout's sampling temperature ``T > 0``; logits are divided by it.
+        num_actions: when given, return only the last ``num_actions`` columns
+            (``[B, num_actions]``, the trainer's response logprobs).
+        width: the expected support width ``W`` (e.g. the sampler's configured width); a batch
+            of another width is refused.
+        sub_sequence_lengths: per batch row, the lengths of the sub-sequences a controller
+            packed into it, if the trainer's controller packs; every row must hold one
+            trajectory.
+        chunk_size: (token, candidate) pairs per chunk of the fused projection.
+
+    Returns:
+        float32 ``[B, S - 1]`` (or ``[B, num_actions]``), on the layout's device; position ``s``
+        holds the logprob of the token that follows the token at ``s`` in its row (token
+        ``s + 1`` in a left-padded grid), 0 at padding and at each row's last token. Replay on:
+        support-renormalised where the token
+        has support, the full-vocabulary logprob at each trajectory's synthetic EOS, 0 for
+        tokens without support outside the loss mask. Replay off: the full-vocabulary logprob
+        of every token, computed by Megatron's ``vocab_parallel_cross_entropy``. The result is
+        the same on every context-parallel rank; its backward sends each rank the gradient of
+        its own shard's positions only (as the sum of per-shard losses would).
+
+    Raises:
+        ReplayDataError / ReplayTypeError naming field, trajectory (batch row) and token
+        (grid position): support without a loss mask, a support width other than ``width``,
+        controller-packed rows, a loss-bearing token without a predecessor or at a padding
+        position, a trajectory with more than one loss-bearing token without support, shapes
+        that do not match the layout (e.g. sequence-first logits), a layout built for another
+        context-parallel rank; and, from :func:`replay_plugin.core.logprobs.replay_logprobs`,
+        support rows whose logprob is not finite.
+    """
+    if not isinstance(layout, TokenMetadataLayout):
+        raise ReplayTypeError("layout", f"got {type(layout).__name__}",
+                              expected="a replay_plugin.core.layout.TokenMetadataLayout")
+    _check_temperature(temperature)
+    attention = layout.attention_mask
+    device = attention.device
+    batch, seq = attention.shape
+    ids = _grid(input_ids, "input_ids", (batch, seq), device, integer=True)
+    _check_sub_sequences(sub_sequence_lengths, layout)
+
+    tp_group, tp_size, tp_rank = _groups("tp")
+    cp_group, cp_size, cp_rank = _groups("cp")
+    if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
+        raise ReplayDataError(
+            "layout", f"built for context-parallel rank {layout.cp_rank} of {layout.cp_size}",
+            expected=f"rank {cp_rank} of {cp_size}, this process's: "
+                     f"TokenMetadataLayout.build(..., cp_size={cp_size}, cp_rank={cp_rank})",
+        )
+    rows, length = layout.output_shape
+    source = _source(output, output_weight, rows, length, tp_size)
+
+    sampled = layout.align(ids, 0, next_token=True)  # [rows, length]: the token each slot predicts
+    if support_ids is None:
+        values = _megatron_logprobs(source, sampled, output_weight, temperature)
+    else:
+        support = _grid(support_ids, "support_ids", (batch, seq), device, integer=True, trailing=1)
+        if support.shape[2] < 1 or (width is not None and support.shape[2] != width):
+            raise ReplayDataError(
+                "support_ids", f"width {support.shape[2]}",
+                expected=f"width {width} (the configured support width)" if width is not None else "width >= 1",
+            )
+        mask = _loss_grid(loss_mask, (batch, seq), device)
+        _check_targets(attention, mask, support)
+        trajectory = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
+        v_local = source.shape[-1] if output_weight is None else output_weight.shape[0]
+        values = core.replay_logprobs(
+            source, sampled,
+            layout.align(support, -1, next_token=True),
+            layout.align(mask, False, next_token=True),
+            layout.align(trajectory, -1, next_token=True),
+            batch,
+            lm_head_weight=output_weight, temperature=temperature,
+            vocab_start=_vocab_start(v_local, tp_rank, tp_size), tp_group=tp_group, chunk_size=chunk_size,
+        ).logprobs
+    if cp_size > 1:
+        values = layout.unshard(list(_GatherShards.apply(values, cp_group, cp_rank, cp_size).unbind(0)))
+    out = layout.restore(values, 0.0)  # [B, S - 1]
+    if num_actions is None:
+        return out
+    if isinstance(num_actions, bool) or not isinstance(num_actions, int) or not 0 < num_actions <= seq - 1:
+        raise ReplayDataError("num_actions", f"got {num_actions!r}", expected=f"an int in [1, {seq - 1}]")
+    return out[:, seq - 1 - num_actions:]
+
+
+# ---------------------------------------------------------------------------------------
+# pieces
+
+
+def _megatron_logprobs(source: torch.Tensor, sampled: torch.Tensor, weight: Optional[torch.Tensor],
+                       temperature: float) -> torch.Tensor:
+    """Megatron's own full-vocabulary logprob (replay off): ``[rows, length]`` float32."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = source if weight is None else F.linear(source, weight)
+    # A new tensor on purpose: vocab_parallel_cross_entropy works in place on its input.
+    scaled = logits / temperature
+    if not ps.model_parallel_is_initialized():  # a single-process model without Megatron's groups
+        return torch.log_softmax(scaled.float(), dim=-1).gather(-1, sampled.long().unsqueeze(-1)).squeeze(-1)
+    return -vocab_parallel_cross_entropy(scaled, sampled.long()).float()
+
+
+def _source(output: Any, weight: Optional[torch.Tensor], rows: int, length: int, tp_size: int) -> torch.Tensor:
+    """The model output as ``[rows, length, V/tp]`` logits or ``[rows, length, H]`` hidden states
+    ready for the fused projection (gathered / copied into the tensor-parallel region)."""
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        got = f"dtype {output.dtype}" if isinstance(output, torch.Tensor) else f"type {type(output).__name__}"
+        raise ReplayTypeError("output", got, expected="a floating-point torch tensor (logits or hidden states)")
+    if weight is None:
+        if output.dim() != 3 or tuple(output.shape[:2]) != (rows, length):
+            hint = ""
+            if output.dim() == 3 and tuple(output.shape[:2]) == (length, rows):
+                hint = "; these look sequence-first [s, b, V/tp]: pass GPTModel's output (labels=None), which is batch-first"
+            raise ReplayDataError(
+                "logits", f"shape {tuple(output.shape)}{hint}",
+                expected=f"[{rows}, {length}, V/tp]: the layout's output shape ([B, A] unpacked, [1, T / cp] packed)",
+            )
+        return output
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or output.dim() != 3 or weight.shape[1] != output.shape[2]:
+        raise ReplayDataError(
+            "output_weight", f"shape {tuple(getattr(weight, 'shape', ()))} for hidden states {tuple(output.shape)}",
+            expected="[V/tp, H] with hidden states [s, b, H]",
+        )
+    sharded = tp_size > 1 and length % tp_size == 0 and output.shape[0] == length // tp_size
+    if output.shape[1] != rows or not (output.shape[0] == length or sharded):
+        raise ReplayDataError(
+            "output", f"hidden states of shape {tuple(output.shape)}",
+            expected=f"[{length}, {rows}, H] (sequence-first, the output layer's input) or its sequence-parallel "
+                     f"shard [{length} / tp, {rows}, H]",
+        )
+    if sharded:
+        # Sequence parallelism: gather the sequence; backward reduce-scatters the partial sums.
+        hidden = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=True)
+    elif tp_size > 1:
+        # Identity forward, all-reduce of the per-shard partial gradients in backward.
+        hidden = copy_to_tensor_model_parallel_region(output)
+    else:
+        return output.transpose(0, 1)
+    # The gradient reaching the region is the transpose of a [rows, length, H] gradient, i.e.
+    # not contiguous, and megatron-core 0.16.x's _reduce all-reduces `input_.contiguous()` but
+    # returns `input_`: a non-contiguous gradient silently stays unreduced (0.19 returns the
+    # reduced copy). Hand the region a contiguous gradient on every version.
+    return _ContiguousGrad.apply(hidden).transpose(0, 1)  # [rows, length, H]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class _GatherShards(torch.autograd.Function):
+    """All-gather of the context-parallel shards ``[1, T / cp]`` into ``[cp, 1, T / cp]``; the
+    backward returns this rank's own slice of the gradient (no reduction)."""
+
+    @staticmethod
+    def forward(ctx, shard, group, rank, size):
+        shard = shard.contiguous()
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        torch.distributed.all_gather(parts, shard, group=group)
+        ctx.rank = rank
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank], None, None, None
+
+
+def _as_tensor(x: Any, field: str, device: torch.device) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if not x.flags.writeable:
+            x = np.array(x)
+        try:
+            x = torch.from_numpy(x)
+        except TypeError as exc:
+            raise ReplayTypeError(field, f"dtype {x.dtype}: {exc}", expected="a dtype torch supports") from None
+    if not isinstance(x, torch.Tensor):
+        raise ReplayTypeError(field, f"got {type(x).__name__}", expected="a torch tensor or numpy array")
+    return x.to(device)
+
+
+def _grid(x: Any, field: str, shape: tuple[int, int], device: torch.device, *, integer: bool,
+          trailing: int = 0) -> torch.Tensor:
+    t = _as_tensor(x, field, device)
+    if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise ReplayTypeError(field, f"dtype {t.dtype}", expected="an integer tensor")
+    if t.dim() != 2 + trailing or tuple(t.shape[:2]) != shape:
+        dims = ", ".join(map(str, shape)) + (", W" if trailing else "")
+        raise ReplayDataError(field, f"shape {tuple(t.shape)}", expected=f"[{dims}] like the layout's attention_mask")
+    return t
+
+
+def _loss_grid(loss_mask: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The loss mask as bool ``[B, S]`` in the grid (a ``[B, n]`` mask fills the last n columns)."""
+    if loss_mask is None:
+        raise ReplayDataError(
+            "loss_mask", "support_ids were given without a loss mask: synthetic EOS rows (loss-bearing, no support) "
+            "cannot be told from prompt and padding rows",
+            expected="the response loss mask, [B, S] (DenseSupport.loss_mask) or [B, num_actions]",
+        )
+    m = _as_tensor(loss_mask, "loss_mask", device)
+    if m.is_floating_point() or m.is_complex():
+        raise ReplayTypeError("loss_mask", f"dtype {m.dtype}", expected="bool or 0/1 integers")
+    batch, seq = shape
+    if m.dim() != 2 or m.shape[0] != batch or not 0 < m.shape[1] <= seq:
+        raise ReplayDataError("loss_mask", f"shape {tuple(m.shape)}",
+                              expected=f"[{batch}, {seq}] or [{batch}, num_actions <= {seq}]")
+    if m.dtype != torch.bool:
+        bad = (m != 0) & (m != 1)
+        if bool(bad.any()):
+            b, s = (int(v) for v in bad.nonzero()[0])
+            raise ReplayDataError("loss_mask", f"value {int(m[b, s])}", trajectory=b, token=s, expected="0 or 1")
+        m = m.bool()
+    if m.shape[1] == seq:
+        return m
+    full = torch.zeros(shape, dtype=torch.bool, device=device)
+    full[:, seq - m.shape[1]:] = m
+    return full
+
+
+def _check_targets(attention: torch.Tensor, mask: torch.Tensor, support: torch.Tensor) -> None:
+    """Every loss-bearing token has a predecessor in its row; at most one per trajectory lacks
+    support (its synthetic EOS). One host sync; located only on failure."""
+    predecessor = attention & (attention.long().cumsum(dim=1) >= 2)
+    orphan = mask & ~predecessor
+    unsupported = mask & ~(support >= 0).any(dim=-1)
+    extra = unsupported & (unsupported.long().cumsum(dim=1) >= 2)
+    if not bool((orphan | extra).any()):
+        return
+    if bool(orphan.any()):
+        b, s = (int(v) for v in orphan.nonzero()[0])
+        where = "a padding position" if not bool(attention[b, s]) else "the first token of its row (nothing predicts it)"
+        raise ReplayDataError("loss_mask", f"loss-bearing token at {where}", trajectory=b, token=s,
+                              expected="loss only on tokens after the first valid token of the row")
+    b, s = (int(v) for v in extra.nonzero()[0])
+    first = int(unsupported[b].nonzero()[0])
+    raise ReplayDataError(
+        "support_ids", f"second loss-bearing token without support (the first is at position {first})",
+        trajectory=b, token=s, expected="support for every loss-bearing token but one synthetic EOS per trajectory",
+    )
+
+
+def _check_sub_sequences(lengths: Optional[Sequence[Sequence[int]]], layout: TokenMetadataLayout) -> None:
+    if lengths is None:
+        return
+    batch = layout.attention_mask.shape[0]
+    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__") or len(lengths) != batch:
+        size = len(lengths) if hasattr(lengths, "__len__") else "?"
+        raise ReplayDataError("sub_sequence_lengths", f"got {type(lengths).__name__} of length {size}",
+                              expected=f"one entry per batch row ({batch})")
+    for b, row in enumerate(lengths):
+        row = list(row) if hasattr(row, "__len__") else [row]
+        if len(row) > 1:
+            raise ReplayDataError(
+                "sub_sequence_lengths", f"row holds {len(row)} controller-packed sub-sequences {row}", trajectory=b,
+                expected="one trajectory per row: next-token targets, support rows and the synthetic-EOS fallback are "
+                         "per trajectory; unpack the rows (or let Megatron pack with packed=True layouts)",
+            )
+        if row and int(row[0]) != layout.sequence_lengths[b]:
+            raise ReplayDataError("sub_sequence_lengths", f"length {int(row[0])}", trajectory=b,
+                                  expected=f"{layout.sequence_lengths[b]}, the row's valid tokens in attention_mask")
+
+
+def _check_temperature(temperature: Any) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and temperature > 0
+    ):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")

@@ -1,0 +1,580 @@
+"""Sampler-support replay inside a Megatron trainer (``replay_plugin.megatron.support``) on
+real megatron-core (CPU, gloo).
+
+The gap it closes: a rollout engine samples from the top-k of the model's distribution and
+reports the logprob of the truncated, renormalised distribution; Megatron scores the same
+token over the whole vocabulary. The multi-rank test rolls out with top-k sampling from a tiny
+``GPTModel`` (vocabulary 64, sharded over TP=2) and first shows that Megatron's ordinary
+logprob (``-vocab_parallel_cross_entropy``) differs from the rollout's logprob by nats, then
+that the helper reproduces the rollout's logprob.
+
+One subprocess group of two gloo ranks runs every multi-rank check:
+
+* TP=2 (``initialize_model_parallel(2, 1)``): ``support_logprobs`` on the vocab-parallel
+  logits equals the single-process core function on the gathered logits, values and
+  gradients; the batch helper, unpacked and packed, equals an explicit per-token reference
+  computed from the gathered full logits; the fused path (the output layer's input + its weight
+  shard) equals the explicit one in values and in the hidden / weight gradients, also with
+  sequence parallelism; the synthetic-EOS row gets its full-vocabulary logprob and the number of
+  collectives does not change with or without it; with replay off the helper returns what
+  Megatron's own ``vocab_parallel_cross_entropy`` gives.
+* CP=2 (``initialize_model_parallel(1, 1, context_parallel_size=2)``). megatron-core does not
+  run context parallelism on CPU: its only non-Transformer-Engine attention,
+  ``DotProductAttention``, asserts ``context_parallel_size == 1`` ("Context parallelism is only
+  supported by TEDotProductAttention!", 0.16.1 and 0.19.2) and also refuses
+  ``packed_seq_params``. So the CP path is proven on the real packed logits of the TP phase
+  (computed without CP, with a block-diagonal causal mask in place of THD attention), sharded
+  the way Megatron shards a CP batch (``megatron.core.utils.get_batch_on_this_cp_rank`` per
+  packed sequence: chunks ``r`` and ``2 * cp - 1 - r``): the helper on each rank's shard
+  returns the unsharded result, and each rank's logits gradient is its shard of the
+  unsharded gradient.
+
+Refusals (support without loss mask, width mismatch, controller-packed rows, ...) run in the
+single-rank worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+import harness
+from conftest import need
+
+pytestmark = pytest.mark.timeout(900)
+
+V, H = 64, 16  # vocabulary (32 per TP rank), hidden size
+B, S, K = 3, 12, 4  # batch rows, grid length, support width (top-k of the rollout)
+LENGTHS, PROMPTS = (12, 9, 7), (5, 4, 3)  # valid tokens per row, of which prompt tokens
+TEMPERATURE = 0.7
+EOS = 2  # row 1's last response token is a synthetic EOS: loss-bearing, no support
+
+
+# --------------------------------------------------------------------------------------
+# helpers (run in the Megatron processes)
+
+
+@contextlib.contextmanager
+def _count_collectives():
+    """Counts all_reduce / all_gather calls (torch.distributed and Megatron's gather alias)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    counts = {"all_reduce": 0, "all_gather": 0}
+    saved = [(dist, "all_reduce"), (dist, "all_gather"), (mappings, "dist_all_gather_func")]
+    originals = [getattr(owner, name) for owner, name in saved]
+
+    def counted(key, fn):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for (owner, name), fn in zip(saved, originals):
+        setattr(owner, name, counted("all_reduce" if name == "all_reduce" else "all_gather", fn))
+    try:
+        yield counts
+    finally:
+        for (owner, name), fn in zip(saved, originals):
+            setattr(owner, name, fn)
+
+
+def _batch():
+    """The left-padded grid: attention [B, S], ids with random prompts, the response loss mask."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    attention = torch.zeros(B, S, dtype=torch.bool)
+    loss = torch.zeros(B, S, dtype=torch.bool)
+    ids = torch.zeros(B, S, dtype=torch.long)
+    for b, (n, p) in enumerate(zip(LENGTHS, PROMPTS)):
+        attention[b, S - n:] = True
+        loss[b, S - n + p:] = True
+        ids[b, S - n: S - n + p] = torch.randint(3, V, (p,), generator=g)
+    return ids, attention, loss
+
+
+def _gather_vocab(x):
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(x.detach())
+
+
+def _rollout(model, ids, attention, layout):
+    """Top-k sampling at TEMPERATURE, token by token, from the model's gathered logits (both
+    ranks draw the same tokens): the ids, the support rows [B, S, K] (the top-k, most probable
+    first) and the rollout's logprob of each sampled token [B, S] (NaN elsewhere)."""
+    import torch
+
+    support = torch.full((B, S, K), -1, dtype=torch.int32)
+    rollout = torch.full((B, S), float("nan"), dtype=torch.float64)
+    g = torch.Generator().manual_seed(11)
+    ids = ids.clone()
+    for j in range(max(n - p for n, p in zip(LENGTHS, PROMPTS))):
+        with torch.no_grad():
+            full = _gather_vocab(harness.forward(model, ids, layout)).double()  # [B, A, V]
+        for b, (n, p) in enumerate(zip(LENGTHS, PROMPTS)):
+            if p + j >= n:
+                continue
+            z = full[b, p + j - 1] / TEMPERATURE  # the aligned row starts at 0: token p + j
+            top = z.topk(K).indices
+            probs = torch.softmax(z[top], dim=0)
+            pick = int(torch.multinomial(probs, 1, generator=g))
+            s = S - n + p + j
+            ids[b, s] = top[pick]
+            support[b, s] = top.to(torch.int32)
+            rollout[b, s] = float(torch.log(probs[pick]))
+    s_eos = S - 1  # row 1's last token: replaced by an EOS appended after the engine returned
+    ids[1, s_eos] = EOS
+    support[1, s_eos] = -1
+    rollout[1, s_eos] = float("nan")
+    return ids, support, rollout
+
+
+def _reference(rows, ids, attention, support, loss, *, replay: bool):
+    """Explicit per-token reference [B, S - 1] (float64) from full-vocabulary logits: ``rows[b]``
+    holds row b's logits [len_b, V] at its valid tokens, in order."""
+    import torch
+
+    out = torch.zeros(B, S - 1, dtype=torch.float64)
+    for b in range(B):
+        pos = attention[b].nonzero().squeeze(1)
+        for j in range(1, len(pos)):
+            s = int(pos[j])
+            z = rows[b][j - 1].double() / TEMPERATURE
+            y = int(ids[b, s])
+            members = support[b, s][support[b, s] >= 0].long()
+            if not replay or (len(members) == 0 and bool(loss[b, s])):
+                out[b, s - 1] = z[y] - z.logsumexp(0)
+            elif len(members):
+                out[b, s - 1] = z[y] - z[members].logsumexp(0)
+    return out
+
+
+def _packed_forward(model, ids, attention, layout):
+    """The packed [1, T] batch through the model. Local attention takes no PackedSeqParams, so
+    THD attention is expressed as a block-diagonal causal mask; positions restart per sequence."""
+    import torch
+
+    x = layout.align(ids, 0)
+    pos = layout.align((attention.long().cumsum(dim=1) - 1).clamp(min=0), 0)
+    seg = torch.repeat_interleave(torch.arange(B), torch.tensor(layout.padded_sequence_lengths))
+    i = torch.arange(x.shape[1])
+    allowed = (seg[:, None] == seg[None, :]) & (i[None, :] <= i[:, None])
+    return model(x, pos, ~allowed[None, None])
+
+
+def _capture_hidden(model):
+    """A forward hook keeping the output layer's input ([s, b, H], sequence-first)."""
+    box = {}
+    handle = model.output_layer.register_forward_hook(lambda m, args, out: box.__setitem__("h", args[0].detach()))
+    return box, handle
+
+
+def _max_diff(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+def _fused_vs_explicit(h, weight, call, upstream) -> dict:
+    """Helper values and gradients on the fused path (hidden + weight) against the explicit one
+    (Megatron's own column-parallel projection of the same hidden states, then logits)."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+    from replay_plugin.megatron import replay_response_logprobs
+
+    results = {}
+    for label in ("explicit", "fused"):
+        hl = h.clone().requires_grad_()
+        weight.grad = None
+        if label == "explicit":  # what ColumnParallelLinear does with the same input
+            region = gather_from_sequence_parallel_region(hl) if call.get("sp") else copy_to_tensor_model_parallel_region(hl)
+            out = replay_response_logprobs(F.linear(region, weight).transpose(0, 1), **call["kwargs"])
+        else:
+            out = replay_response_logprobs(hl, output_weight=weight, **call["kwargs"])
+        (out * upstream).sum().backward()
+        results[label] = (out.detach(), hl.grad.clone(), weight.grad.clone())
+    (oe, he, we), (of, hf, wf) = results["explicit"], results["fused"]
+    return {"value": _max_diff(oe, of), "hidden_grad": _max_diff(he, hf), "weight_grad": _max_diff(we, wf),
+            "hidden_grad_norm": float(hf.norm()), "weight_grad_norm": float(wf.norm()), "out": of,
+            "hidden_grad_sum": float(hf.double().sum()), "explicit_hidden_grad": he, "upstream": upstream}
+
+
+def _naive_fused_hidden_grad(h, weight, ids, support, loss, layout, rank, fused) -> float:
+    """The core function fed ``copy_to_tensor_model_parallel_region(h).transpose(0, 1)`` directly:
+    its hidden gradient against the explicit path's. On megatron-core 0.16 the region's backward
+    all-reduce is lost for the (non-contiguous) gradient it receives."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    from replay_plugin.core import logprobs as core
+
+    hl = h.clone().requires_grad_()
+    trajectory = torch.arange(B).unsqueeze(1).expand(B, S)
+    values = core.replay_logprobs(
+        copy_to_tensor_model_parallel_region(hl).transpose(0, 1), layout.align(ids, 0, next_token=True),
+        layout.align(support, -1, next_token=True), layout.align(loss, False, next_token=True),
+        layout.align(trajectory, -1, next_token=True), B, lm_head_weight=weight, temperature=TEMPERATURE,
+        vocab_start=rank * (V // 2), tp_group=parallel_state.get_tensor_model_parallel_group(),
+    ).logprobs
+    (layout.restore(values, 0.0) * fused["upstream"]).sum().backward()
+    weight.grad = None
+    return _max_diff(hl.grad, fused["explicit_hidden_grad"])
+
+
+def _cp_shard(x, layout, dim: int = 1):
+    """Megatron's CP sharding of a packed tensor (sequence on ``dim``): each packed sequence through
+    ``megatron.core.utils.get_batch_on_this_cp_rank`` (chunks r and 2cp-1-r), concatenated."""
+    import inspect
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    group = parallel_state.get_context_parallel_group()
+    # 0.16: (batch, cp_group=None); 0.19: (batch, is_hybrid_cp, cp_group=None, ...), which
+    # splits per sequence when the batch carries no cu_seqlens.
+    hybrid = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
+    cu = layout.cu_seqlens_padded.tolist()
+    moved = x.movedim(dim, 1)
+    parts = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        batch = {"x": moved[:, start:end].contiguous()}
+        if hybrid:
+            batch = get_batch_on_this_cp_rank(batch, False, cp_group=group)
+        else:
+            batch = get_batch_on_this_cp_rank(batch, cp_group=group)
+        parts.append(batch["x"])
+    return torch.cat(parts, dim=1).movedim(1, dim)
+
+
+# --------------------------------------------------------------------------------------
+# the multi-rank scenario
+
+
+def _tensor_parallel(rank: int) -> tuple[dict, dict]:
+    import torch
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from replay_plugin.core import logprobs as core
+    from replay_plugin.core.layout import TokenMetadataLayout
+    from replay_plugin.megatron import replay_response_logprobs, support_logprobs
+
+    out: dict = {}
+    model = harness.build_model(harness.dense_config(tensor_model_parallel_size=2), vocab_size=V)
+    out["output_layer"] = type(model.output_layer).__name__
+    prompt_ids, attention, loss = _batch()
+    layout_u = TokenMetadataLayout.build(attention, packed=False, align=2)  # align = tp
+    ids, support, rollout = _rollout(model, prompt_ids, attention, layout_u)
+    box, hook = _capture_hidden(model)
+    logits_u = harness.forward(model, ids, layout_u)  # [B, A, V/tp]
+    h_u = box["h"]
+    out["logits_shape"] = list(logits_u.shape)
+    full_u = _gather_vocab(logits_u)
+    rows_u = [full_u[b, :n] for b, n in enumerate(LENGTHS)]
+    g = torch.Generator().manual_seed(5)
+    upstream = torch.randn(B, S - 1, generator=g, dtype=torch.float64).float()
+    kw = dict(support_ids=support, loss_mask=loss, temperature=TEMPERATURE)
+
+    # 1. support_logprobs on this rank's vocabulary shard == the core function on gathered logits
+    sampled = layout_u.align(ids, 0, next_token=True)
+    sup = layout_u.align(support, -1, next_token=True)
+    local = logits_u.detach().clone().requires_grad_()
+    gathered = full_u.clone().requires_grad_()
+    up = torch.randn(sampled.shape, generator=g)
+    with _count_collectives() as counts:
+        lp, valid = support_logprobs(local, sampled, sup, temperature=TEMPERATURE)
+    ref, ref_valid = core.support_logprobs(gathered, sampled, sup, temperature=TEMPERATURE)
+    (lp * up).sum().backward()
+    (ref * up).sum().backward()
+    shard = slice(rank * V // 2, (rank + 1) * V // 2)
+    out["low_level"] = {"value": _max_diff(lp, ref), "valid_equal": bool((valid == ref_valid).all()),
+                        "grad": _max_diff(local.grad, gathered.grad[..., shard]), "grad_norm": float(local.grad.norm()),
+                        "collectives": counts}
+
+    # 2. the batch helper (unpacked) == explicit per-token reference; the problem it closes
+    with _count_collectives() as with_eos:
+        replayed = replay_response_logprobs(logits_u, ids, layout_u, **kw)
+    no_eos = loss.clone()
+    no_eos[1, S - 1] = False
+    with _count_collectives() as without_eos:
+        replay_response_logprobs(logits_u, ids, layout_u, support_ids=support, loss_mask=no_eos, temperature=TEMPERATURE)
+    reference = _reference(rows_u, ids, attention, support, loss, replay=True)
+    ordinary = replay_response_logprobs(logits_u, ids, layout_u, temperature=TEMPERATURE)  # replay off
+    supported = (support >= 0).any(-1)[:, 1:] & loss[:, 1:]  # [B, S-1], by predicting position
+    roll = rollout[:, 1:]
+    eos = (1, S - 2)
+    full_lp_eos = _reference(rows_u, ids, attention, support, loss, replay=False)[eos]
+    out["unpacked"] = {
+        "shape": list(replayed.shape), "dtype": str(replayed.dtype),
+        "vs_reference": _max_diff(replayed, reference),
+        "zero_off_loss": bool((replayed[~loss[:, 1:]] == 0).all()),
+        "ordinary_minus_rollout_min": float((ordinary.double() - roll)[supported].abs().min()),
+        "ordinary_minus_rollout_mean": float((ordinary.double() - roll)[supported].abs().mean()),
+        "replayed_minus_rollout_max": float((replayed.double() - roll)[supported].abs().max()),
+        "eos": [float(replayed[eos]), float(full_lp_eos), float(ordinary[eos])],
+        "collectives": [with_eos, without_eos],
+    }
+
+    # 3. replay off == Megatron's own vocab_parallel_cross_entropy (and the full-vocab reference)
+    ce = -vocab_parallel_cross_entropy(logits_u.detach().clone() / TEMPERATURE, sampled)  # [B, A]
+    by_hand = torch.zeros(B, S - 1)
+    for b, n in enumerate(LENGTHS):
+        by_hand[b, S - n: S - 1] = ce[b, : n - 1]
+    out["replay_off"] = {"vs_megatron": _max_diff(ordinary, by_hand),
+                         "vs_reference": _max_diff(ordinary, _reference(rows_u, ids, attention, support, loss, replay=False)),
+                         "logits_untouched": _max_diff(_gather_vocab(logits_u), full_u)}
+
+    # 4. fused (hidden + weight shard) == explicit, values and gradients; num_actions
+    weight = model.output_layer.weight
+    call = {"kwargs": dict(input_ids=ids, layout=layout_u, **kw)}
+    fused = _fused_vs_explicit(h_u, weight, call, upstream)
+    out["fused"] = {k: v for k, v in fused.items() if k not in ("out", "explicit_hidden_grad", "upstream")}
+    out["fused"]["naive_hidden_grad"] = _naive_fused_hidden_grad(h_u, weight, ids, support, loss, layout_u, rank, fused)
+    out["fused"]["vs_logits_path"] = _max_diff(fused["out"], replayed)
+    off = replay_response_logprobs(h_u, ids, layout_u, output_weight=weight, temperature=TEMPERATURE)
+    out["fused"]["replay_off_vs_logits_path"] = _max_diff(off, ordinary)
+    # 0.18+: GPTModel's output_processor hands over the output layer's input, no logits built
+    import inspect
+
+    if "output_processor" in inspect.signature(model.forward).parameters:
+        x = layout_u.align(ids, 0)
+        pos = torch.arange(x.shape[1]).expand_as(x).contiguous()
+        hidden = model(x, pos, harness.causal_mask(x.shape[1]), output_processor=lambda *, hidden_states, **_: hidden_states)
+        via = replay_response_logprobs(hidden, ids, layout_u, output_weight=weight, **kw)
+        out["fused"]["output_processor"] = [list(hidden.shape), _max_diff(via, replayed)]
+    actions = replay_response_logprobs(logits_u, ids, layout_u, num_actions=7, **kw)
+    out["num_actions"] = {"shape": list(actions.shape), "equal": bool((actions == replayed[:, -7:]).all())}
+
+    # 5. packed (align 4 = tp * cp * 2 for the CP phase): helper == unpacked == reference
+    layout_p = TokenMetadataLayout.build(attention, packed=True, align=4)
+    logits_p = _packed_forward(model, ids, attention, layout_p)  # [1, T, V/tp]
+    h_p = box["h"]
+    hook.remove()
+    full_p = _gather_vocab(logits_p)
+    cu = layout_p.cu_seqlens_padded.tolist()
+    rows_p = [full_p[0, cu[b]: cu[b] + n] for b, n in enumerate(LENGTHS)]
+    packed = replay_response_logprobs(logits_p, ids, layout_p, **kw)
+    packed_off = replay_response_logprobs(logits_p, ids, layout_p, temperature=TEMPERATURE)
+    fused_p = replay_response_logprobs(h_p, ids, layout_p, output_weight=weight, **kw)
+    out["packed"] = {"logits_shape": list(logits_p.shape),
+                     "vs_reference": _max_diff(packed, _reference(rows_p, ids, attention, support, loss, replay=True)),
+                     "vs_unpacked": _max_diff(packed, replayed), "off_vs_unpacked_off": _max_diff(packed_off, ordinary),
+                     "fused_vs_logits": _max_diff(fused_p, packed)}
+
+    # 6. sequence parallelism: the output layer's input is [A / tp, B, H]; the fused path gathers it
+    import cpu_shims
+
+    cpu_shims.allow_sequence_parallel_norm()
+    sp_model = harness.build_model(harness.dense_config(tensor_model_parallel_size=2, sequence_parallel=True), vocab_size=V)
+    sp_box, sp_hook = _capture_hidden(sp_model)
+    sp_logits = harness.forward(sp_model, ids, layout_u)
+    sp_hook.remove()
+    sp_call = {"kwargs": dict(input_ids=ids, layout=layout_u, **kw), "sp": True}
+    sp = _fused_vs_explicit(sp_box["h"], sp_model.output_layer.weight, sp_call, upstream)
+    out["sequence_parallel"] = {k: v for k, v in sp.items() if k not in ("out", "explicit_hidden_grad", "upstream")}
+    out["sequence_parallel"]["hidden_shape"] = list(sp_box["h"].shape)
+    out["sequence_parallel"]["vs_logits_path"] = _max_diff(sp["out"], replay_response_logprobs(sp_logits, ids, layout_u, **kw))
+
+    # what the CP phase needs: unsharded packed logits / hidden / weight and the TP results
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    full_weight = gather_from_tensor_model_parallel_region(weight.detach().t().contiguous()).t().contiguous()  # [V, H]
+    keep = dict(ids=ids, attention=attention, loss=loss, support=support, layout_p=layout_p, full_p=full_p, h_p=h_p,
+                weight=full_weight, packed=packed.detach(), packed_off=packed_off.detach(), upstream=upstream)
+    return out, keep
+
+
+def _context_parallel(rank: int, keep: dict) -> dict:
+    import torch
+
+    from replay_plugin.core import logprobs as core
+    from replay_plugin.core.layout import TokenMetadataLayout
+    from replay_plugin.megatron import replay_response_logprobs
+
+    harness.reinit_parallel(tp=1, cp=2)
+    ids, attention, loss, support = keep["ids"], keep["attention"], keep["loss"], keep["support"]
+    layout_p = keep["layout_p"]
+    layout_c = TokenMetadataLayout.build(attention, packed=True, align=4, cp_size=2, cp_rank=rank)
+    local = _cp_shard(keep["full_p"], layout_p).clone().requires_grad_()  # [1, T / 2, V]
+    kw = dict(support_ids=support, loss_mask=loss, temperature=TEMPERATURE)
+    with _count_collectives() as counts:
+        sharded = replay_response_logprobs(local, ids, layout_c, **kw)
+    (sharded * keep["upstream"]).sum().backward()
+
+    # the unsharded gradient, from the core function on the full packed logits
+    full = keep["full_p"].clone().requires_grad_()
+    values = core.replay_logprobs(
+        full, layout_p.align(ids, 0, next_token=True), layout_p.align(support, -1, next_token=True),
+        layout_p.align(loss, False, next_token=True),
+        layout_p.align(torch.arange(B).unsqueeze(1).expand(B, S), -1, next_token=True), B, temperature=TEMPERATURE,
+    ).logprobs
+    (layout_p.restore(values, 0.0) * keep["upstream"]).sum().backward()
+
+    h_local = _cp_shard(keep["h_p"], layout_p, dim=0)  # [T / 2, 1, H]
+    fused = replay_response_logprobs(h_local, ids, layout_c, output_weight=keep["weight"], **kw)
+    off = replay_response_logprobs(local.detach(), ids, layout_c, temperature=TEMPERATURE)
+    wrong_rank = TokenMetadataLayout.build(attention, packed=True, align=4, cp_size=2, cp_rank=1 - rank)
+    try:
+        replay_response_logprobs(local.detach(), ids, wrong_rank, **kw)
+        refused = None
+    except Exception as exc:  # noqa: BLE001
+        refused = f"{type(exc).__name__}: {exc}"
+    return {
+        "local_shape": list(local.shape), "vs_tp_packed": _max_diff(sharded, keep["packed"]),
+        "grad": _max_diff(local.grad, _cp_shard(full.grad, layout_p)), "grad_norm": float(local.grad.norm()),
+        "fused_vs_tp_packed": _max_diff(fused, keep["packed"]), "off_vs_tp_packed_off": _max_diff(off, keep["packed_off"]),
+        "collectives": counts, "wrong_rank": refused,
+    }
+
+
+def scenario_ranks(rank: int) -> dict:
+    tp, keep = _tensor_parallel(rank)
+    return {"tp": tp, "cp": _context_parallel(rank, keep)}
+
+
+def test_support_replay_tensor_and_context_parallel():
+    need("megatron-core")
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    native = Version(importlib.metadata.version("megatron-core")) >= Version("0.19.0")
+    ranks = harness.run_ranks(scenario_ranks, 2, parallel={"tp": 2})
+    tol = 2e-5
+    for rank, res in enumerate(ranks):
+        tp = res["tp"]
+        assert tp["output_layer"] == "ColumnParallelLinear"
+        assert tp["logits_shape"] == [B, S, V // 2]  # batch-first [b, s, V/tp], as GPTModel returns them
+
+        low = tp["low_level"]
+        assert low["value"] < tol and low["valid_equal"] and low["grad"] < tol and low["grad_norm"] > 0.1, low
+        assert low["collectives"] == {"all_reduce": 2, "all_gather": 0}
+
+        u = tp["unpacked"]
+        assert u["shape"] == [B, S - 1] and u["dtype"] == "torch.float32"
+        assert u["vs_reference"] < tol and u["zero_off_loss"], u
+        # the problem: Megatron's full-vocabulary logprob is nats away from the rollout's
+        # top-k logprob at every response token; the helper reproduces the rollout's
+        assert u["ordinary_minus_rollout_min"] > 0.1 and u["ordinary_minus_rollout_mean"] > 1.0, u
+        assert u["replayed_minus_rollout_max"] < tol, u
+        replayed_eos, full_eos, ordinary_eos = u["eos"]
+        assert abs(replayed_eos - full_eos) < tol and abs(ordinary_eos - full_eos) < tol
+        # 4 all_reduce whether or not a synthetic EOS row needs the full vocabulary
+        assert u["collectives"][0] == u["collectives"][1] == {"all_reduce": 4, "all_gather": 0}
+
+        off = tp["replay_off"]
+        assert off["vs_megatron"] < 1e-6 and off["vs_reference"] < tol and off["logits_untouched"] == 0.0, off
+
+        fused = tp["fused"]
+        assert fused["value"] < tol and fused["hidden_grad"] < tol and fused["weight_grad"] < tol, fused
+        assert fused["hidden_grad_norm"] > 0.1 and fused["weight_grad_norm"] > 0.1
+        assert fused["vs_logits_path"] < tol and fused["replay_off_vs_logits_path"] < tol, fused
+        # upstream: 0.16's copy_to_tensor_model_parallel_region drops the backward all-reduce of
+        # a non-contiguous gradient (fixed in 0.19); the helper is right on both
+        assert (fused["naive_hidden_grad"] > 1e-3) == (not native), fused
+        if native:
+            assert fused["output_processor"][0] == [S, B, H] and fused["output_processor"][1] < tol, fused
+        assert tp["num_actions"] == {"shape": [B, 7], "equal": True}
+
+        packed = tp["packed"]
+        assert packed["logits_shape"] == [1, sum((n + 3) // 4 * 4 for n in LENGTHS), V // 2]
+        assert packed["vs_reference"] < tol and packed["vs_unpacked"] < tol, packed
+        assert packed["off_vs_unpacked_off"] < tol and packed["fused_vs_logits"] < tol, packed
+
+        sp = tp["sequence_parallel"]
+        assert sp["hidden_shape"] == [S // 2, B, H]
+        assert sp["value"] < tol and sp["hidden_grad"] < tol and sp["weight_grad"] < tol and sp["vs_logits_path"] < tol, sp
+
+        cp = res["cp"]
+        assert cp["local_shape"] == [1, packed["logits_shape"][1] // 2, V]
+        assert cp["vs_tp_packed"] < tol and cp["grad"] < tol and cp["grad_norm"] > 0.1, cp
+        assert cp["fused_vs_tp_packed"] < tol and cp["off_vs_tp_packed_off"] < tol, cp
+        assert cp["collectives"] == {"all_reduce": 0, "all_gather": 1}  # TP = 1 here: the CP gather only
+        assert cp["wrong_rank"] is not None and "context-parallel rank" in cp["wrong_rank"], cp
+    # the hidden-state gradient is all-reduced over the vocabulary shards: the same on both ranks
+    assert ranks[0]["tp"]["fused"]["hidden_grad_sum"] == pytest.approx(ranks[1]["tp"]["fused"]["hidden_grad_sum"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# refusals (single rank)
+
+
+def scenario_refusals() -> dict:
+    import numpy as np
+    import torch
+
+    from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+    from replay_plugin.core.layout import TokenMetadataLayout
+    from replay_plugin.megatron import replay_response_logprobs
+
+    ids, attention, loss = _batch()
+    layout = TokenMetadataLayout.build(attention, packed=False, align=1)
+    logits = torch.randn(B, S, V, generator=torch.Generator().manual_seed(0))
+    support = np.full((B, S, K), -1, dtype=np.int32)
+    support[loss.numpy(), 0] = ids[loss].numpy()
+    support[1, S - 1] = -1  # one synthetic EOS
+
+    def refusal(**kw):
+        args = dict(output=logits, input_ids=ids, layout=layout, support_ids=support, loss_mask=loss)
+        args.update(kw)
+        try:
+            replay_response_logprobs(**args)
+        except (ReplayDataError, ReplayTypeError) as exc:
+            return {"type": type(exc).__name__, "field": exc.field, "trajectory": exc.trajectory, "token": exc.token,
+                    "message": str(exc)}
+        return None
+
+    two_eos = support.copy()
+    two_eos[1, S - 2] = -1
+    first_token = loss.clone()
+    first_token[0, 0] = True
+    return {
+        "ok": replay_response_logprobs(logits, ids, layout, support_ids=support, loss_mask=loss, width=K).shape[1] == S - 1,
+        "no_loss_mask": refusal(loss_mask=None),
+        "width": refusal(width=K + 1),
+        "controller_packed": refusal(sub_sequence_lengths=[[12], [4, 5], [7]]),
+        "sub_sequence_length": refusal(sub_sequence_lengths=[[12], [8], [7]]),
+        "two_eos": refusal(support_ids=two_eos),
+        "first_token": refusal(loss_mask=first_token),
+        "support_shape": refusal(support_ids=support[:, 1:]),
+        "support_dtype": refusal(support_ids=support.astype(np.float32)),
+        "sequence_first": refusal(output=logits.transpose(0, 1).contiguous()),
+        "cp_layout": refusal(layout=TokenMetadataLayout.build(attention, packed=True, align=4, cp_size=2, cp_rank=0)),
+        "num_actions": refusal(num_actions=S),
+    }
+
+
+def test_refusals():
+    need("megatron-core")
+    r = harness.shared_worker().run(scenario_refusals)
+    assert r["ok"]
+    assert r["no_loss_mask"]["field"] == "loss_mask" and "without a loss mask" in r["no_loss_mask"]["message"]
+    assert r["width"]["field"] == "support_ids" and f"width {K}" in r["width"]["message"]
+    assert r["controller_packed"]["field"] == "sub_sequence_lengths" and r["controller_packed"]["trajectory"] == 1
+    assert "controller-packed" in r["controller_packed"]["message"]
+    assert r["sub_sequence_length"]["trajectory"] == 1 and "9" in r["sub_sequence_length"]["message"]
+    assert (r["two_eos"]["field"], r["two_eos"]["trajectory"], r["two_eos"]["token"]) == ("support_ids", 1, S - 1)
+    assert (r["first_token"]["field"], r["first_token"]["trajectory"], r["first_token"]["token"]) == ("loss_mask", 0, 0)
+    assert r["support_shape"]["field"] == "support_ids"
+    assert (r["support_dtype"]["type"], r["support_dtype"]["field"]) == ("ReplayTypeError", "support_ids")
+    assert r["sequence_first"]["field"] == "logits" and "sequence-first" in r["sequence_first"]["message"]
+    assert r["cp_layout"]["field"] == "layout"
+    assert r["num_actions"]["field"] == "num_actions"
+
+
+def test_package_import_stays_light():
+    from conftest import run_python
+
+    proc = run_python(
+        "import sys, replay_plugin.megatron as m\n"
+        "assert {'support_logprobs', 'replay_response_logprobs'} <= set(dir(m))\n"
+        "heavy = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'megatron'))\n"
+        "print('HEAVY', heavy)\n"
+        "print('CALLABLE', callable(m.replay_response_logprobs) and callable(m.support_logprobs))"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout and "CALLABLE True" in proc.stdout
