@@ -158,7 +158,7 @@ def _score_megatron(model_dir: str, trajectories: list, pad_id: int, eos_id: int
 
     from . import cpu, report
     from .convert import build_gpt_model
-    from .score import SETTINGS, make_batch, megatron_support_fn, score
+    from .score import SETTINGS, make_batch, score
 
     batch = make_batch(trajectories, pad_id, eos_id)
     if batch.num_inexact:
@@ -174,7 +174,7 @@ def _score_megatron(model_dir: str, trajectories: list, pad_id: int, eos_id: int
         model = build_gpt_model(model_dir, dtype)
         for setting in SETTINGS:
             t = time.time()
-            scored = score(model, batch, setting, temperature=temperature, support_fn=megatron_support_fn)
+            scored = score(model, batch, setting, temperature=temperature)
             row = {"precision": precision, "replay": setting,
                    **report.figures(scored.logprobs, rollout_lp, scored.route_match)}
             rows.append(row)

@@ -94,13 +94,12 @@ class _RoutingSpy:
             h.remove()
 
 
-def score(model: Any, batch: Batch, setting: str, *, temperature: float = 1.0,
-          support_fn: Optional[Callable[..., Any]] = None) -> Scored:
+def score(model: Any, batch: Batch, setting: str, *, temperature: float = 1.0) -> Scored:
     """Forward the batch once under ``setting`` and score every response token."""
     import torch
 
     from ..core.layout import TokenMetadataLayout
-    from ..megatron import clear_routes, replay_routes
+    from ..megatron import clear_routes, replay_response_logprobs, replay_routes
 
     use_routes = setting in ("routes", "both")
     use_support = setting in ("support", "both")
@@ -121,16 +120,14 @@ def score(model: Any, batch: Batch, setting: str, *, temperature: float = 1.0,
         spy.remove()
         if use_routes:
             clear_routes(model)
-    next_ids = layout.align(torch.from_numpy(batch.input_ids), batch.pad_id, next_token=True)
+    input_ids = torch.from_numpy(batch.input_ids)
     if use_support:
-        assert support_fn is not None
-        slot_lp = support_fn(logits, batch, layout, temperature)
-    else:
-        logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        slot_lp = logp.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
-    per_pos = layout.restore(slot_lp, 0.0).numpy()  # [B, S-1]: position s scores token s+1
-    target = batch.response_mask[:, 1:]
-    logprobs = per_pos[target].astype(np.float32)
+        per_pos = replay_response_logprobs(logits, input_ids, layout, support_ids=torch.from_numpy(batch.support),
+                                           loss_mask=torch.from_numpy(batch.response_mask), temperature=temperature)
+    else:  # the trainer's ordinary logprob (Megatron's vocab_parallel_cross_entropy)
+        per_pos = replay_response_logprobs(logits, input_ids, layout, temperature=temperature)
+    target = batch.response_mask[:, 1:]  # position s scores token s + 1
+    logprobs = per_pos.numpy()[target].astype(np.float32)
 
     route_match = None
     if batch.routes is not None and spy.maps:
@@ -155,18 +152,3 @@ def _route_agreement(maps: dict, batch: Batch, layout: Any, aligned_shape: tuple
         match &= (used == want).all(-1) & (used.sum(-1) == k)
     per_pos = layout.restore(match.float(), 0.0).numpy() > 0.5  # slot j -> the position of token j
     return per_pos
-
-
-def megatron_support_fn(logits: Any, batch: Batch, layout: Any, temperature: float) -> Any:
-    """Support-renormalised logprob per slot via the Megatron support-replay path."""
-    import torch
-
-    from ..core.logprobs import replay_logprobs
-
-    next_ids = layout.align(torch.from_numpy(batch.input_ids), batch.pad_id, next_token=True)
-    support = layout.align(torch.from_numpy(batch.support), -1, next_token=True)
-    loss = layout.align(torch.from_numpy(batch.response_mask), False, next_token=True)
-    rows = torch.arange(loss.shape[0]).unsqueeze(1).expand_as(loss)
-    traj = torch.where(loss, rows, -1)
-    out = replay_logprobs(logits, next_ids, support, loss, traj, loss.shape[0], temperature=temperature)
-    return out.logprobs
