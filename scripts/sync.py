@@ -74,7 +74,8 @@ def env_table(specs: list) -> str:
     for spec in sorted(specs, key=lambda s: s.name):
         rows.append(f"| `{spec.env}` | `0`/`1`: patch `{spec.name}` (default {'on' if spec.default else 'off'}) |")
         for knob in spec.knobs:
-            rows.append(f"| `{knob.env}` | {knob.help} (default `{knob.default}`) |")
+            default = f"`{knob.default}`" if knob.default != "" else "unset"
+            rows.append(f"| `{knob.env}` | {knob.help} (default {default}) |")
     return "\n".join(rows)
 
 

@@ -1,0 +1,232 @@
+"""``replay-plugin bench fsdp``: the FSDP replay path against the plain full-vocabulary path.
+
+One training step of a Hugging Face Qwen3-MoE model (random weights, built in memory; no
+checkpoint or tokenizer needed) on one remove-padding microbatch, in one process, float32:
+model forward, response logprobs, weighted sum, backward. Three logprob functions on the same
+model and batch:
+
+- ``plain``: ``response_logprobs(..., replay=False)``, the ordinary full-vocabulary path
+  (``logit_y - logsumexp(logits)`` over every position, in row chunks, as verl's CPU path);
+- ``replay_logits``: ``response_logprobs`` on the model's logits, renormalised over the support;
+- ``replay_hidden``: ``response_logprobs`` on the final hidden states with the LM-head weight
+  (``model.model(...)`` instead of ``model(...)``): logits are never formed.
+
+Time: best of ``repeats`` steps after a warm-up, the methods interleaved round by round so that
+load from neighbours on a shared machine hits them alike. Peak memory: each method in a fresh
+subprocess of this interpreter: build model and batch, one warm-up step, free the gradients,
+reset the kernel's resident-set high-water mark (``/proc/self/clear_refs`` = 5), one step,
+``VmHWM - VmRSS`` before it; glibc serves every block of 64 KiB or more by its own mapping
+(``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves the resident set and each step's
+allocations show. The step's extra memory over ``plain`` is compared with a bound that grows
+with the support width, not the vocabulary: ``N * (W + 1) * 64`` bytes (N scored positions).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from replay_plugin.bench import Result
+
+BENCH = "fsdp"
+FULL = {"batch": 8, "seq": 640, "response": 384, "vocab": 32768, "hidden": 256, "layers": 2, "experts": 8,
+        "width": 32}
+QUICK = {"batch": 4, "seq": 96, "response": 48, "vocab": 4096, "hidden": 64, "layers": 2, "experts": 4,
+         "width": 8}
+METHODS = ("plain", "replay_logits", "replay_hidden")
+#: bytes per (position, candidate) allowed as extra memory over the plain path: int64 index,
+#: float32 value, the gather's gradient and masks, forward and backward
+BYTES_PER_CANDIDATE = 64
+
+
+def _model(shape: dict):
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    h = shape["hidden"]
+    config = Qwen3MoeConfig(
+        vocab_size=shape["vocab"], hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h,
+        num_hidden_layers=shape["layers"], num_attention_heads=4, num_key_value_heads=4, head_dim=h // 4,
+        num_experts=shape["experts"], num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=4 * shape["seq"], tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(config).to(torch.float32)
+
+
+def _batch(shape: dict) -> dict:
+    """Left-padded prompts, full-length responses, one synthetic EOS per row, ``W``-wide rows."""
+    import numpy as np
+    import torch
+
+    b, s, a, v, w = shape["batch"], shape["seq"], shape["response"], shape["vocab"], shape["width"]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, v, size=(b, s))
+    am = np.zeros((b, s), dtype=np.int64)
+    for i, plen in enumerate(rng.integers((s - a) // 4, s - a + 1, size=b)):
+        am[i, s - a - plen :] = 1
+    ids = np.where(am == 1, ids, 0)
+    support = np.full((b, s, w), -1, dtype=np.int32)
+    others = rng.integers(1, v, size=(b, a, w - 1))
+    support[:, s - a :, 0] = ids[:, s - a :]
+    support[:, s - a :, 1:] = np.where(others == ids[:, s - a :, None], (others % (v - 1)) + 1, others)
+    ids[:, -1] = 0  # EOS appended after generation: loss-bearing, no support row
+    support[:, -1] = -1
+    idx = torch.from_numpy(am.reshape(-1).nonzero()[0])
+    pos = np.clip(am.cumsum(-1) - 1, 0, None)
+    ids_t = torch.from_numpy(ids)
+    return {
+        "input_ids": ids_t, "attention_mask": torch.from_numpy(am), "support": torch.from_numpy(support),
+        "loss_mask": torch.ones(b, a, dtype=torch.bool), "indices": idx,
+        "packed": ids_t.reshape(-1)[idx].unsqueeze(0), "positions": torch.from_numpy(pos).reshape(-1)[idx].unsqueeze(0),
+        "weights": torch.from_numpy(rng.uniform(0.5, 1.5, size=(b, a))).float(),
+    }
+
+
+def _step_fn(method: str, model, batch: dict, shape: dict) -> Callable[[], None]:
+    import torch
+
+    from replay_plugin.fsdp import response_logprobs
+
+    a = shape["response"]
+    common = dict(indices=batch["indices"], temperature=1.0)
+
+    def logprobs():
+        # A function of its own, as in a trainer's logprob function: the logits (or hidden
+        # states) are dropped when it returns; only what autograd saved lives on to the backward.
+        if method == "replay_hidden":
+            hidden = model.model(input_ids=batch["packed"], position_ids=batch["positions"], use_cache=False).last_hidden_state
+            lp = response_logprobs(hidden, batch["input_ids"], batch["attention_mask"], a, support_ids=batch["support"],
+                                   loss_mask=batch["loss_mask"], lm_head_weight=model.lm_head.weight, **common)
+        else:
+            logits = model(input_ids=batch["packed"], position_ids=batch["positions"], use_cache=False).logits
+            if method == "plain":
+                lp = response_logprobs(logits, batch["input_ids"], batch["attention_mask"], a, replay=False, **common)
+            else:
+                lp = response_logprobs(logits, batch["input_ids"], batch["attention_mask"], a,
+                                       support_ids=batch["support"], loss_mask=batch["loss_mask"], **common)
+        return lp
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        (-(batch["weights"] * logprobs()).sum()).backward()
+
+    step.clear = lambda: model.zero_grad(set_to_none=True)
+    return step
+
+
+# --------------------------------------------------------------------------- peak memory
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _measure_here(spec: dict) -> dict:
+    """In the fresh subprocess: one step of ``spec['method']``, its resident-set peak delta."""
+    shape = spec["shape"]
+    model = _model(shape)
+    batch = _batch(shape)
+    step = _step_fn(spec["method"], model, batch, shape)
+    step()
+    step.clear()
+    gc.collect()
+    reset = True
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        reset = False
+    before = _status_kib("VmRSS")
+    step()
+    return {"peak_delta_bytes": (_status_kib("VmHWM") - before) * 1024, "hwm_reset": reset}
+
+
+def _measure_peak(spec: dict) -> dict:
+    env = dict(os.environ)
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    env["MALLOC_TRIM_THRESHOLD_"] = "65536"
+    proc = subprocess.run(
+        [sys.executable, "-m", "replay_plugin.bench.fsdp", "--measure", json.dumps(spec)],
+        capture_output=True, text=True, env=env, timeout=1800,
+    )
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run(quick: bool = False) -> list[Result]:
+    """Measure and return the results (see the module docstring)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        return [Result(BENCH, "(not available)", None, note=f"torch and transformers are required: {exc}")]
+    shape = QUICK if quick else FULL
+    repeats = 2 if quick else 3
+    model = _model(shape)
+    batch = _batch(shape)
+    positions = int(batch["indices"].numel())
+    shape_note = (f"B={shape['batch']} S={shape['seq']} A={shape['response']} N={positions} V={shape['vocab']} "
+                  f"H={shape['hidden']} W={shape['width']} float32, fwd+bwd")
+    steps = {m: _step_fn(m, model, batch, shape) for m in METHODS}
+    for step in steps.values():
+        step()
+    best = {m: float("inf") for m in METHODS}
+    for _ in range(repeats):
+        for m, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[m] = min(best[m], time.perf_counter() - start)
+    del steps, model, batch
+    gc.collect()
+
+    results = [Result(BENCH, f"{m}_step_time", best[m] * 1e3, "ms",
+                      note=f"{shape_note}, best of {repeats} interleaved rounds" if m == "plain" else "")
+               for m in METHODS]
+    for m in METHODS[1:]:
+        results.append(Result(BENCH, f"{m}_speedup_vs_plain", best["plain"] / best[m], "x", goal=">= 1",
+                              note="not slower than the full-vocabulary path"))
+    peaks = {m: _measure_peak({"method": m, "shape": shape}) for m in METHODS}
+    for m, p in peaks.items():
+        value = None if "error" in p else p["peak_delta_bytes"] / 2**20
+        note = p.get("error", "fresh subprocess, VmHWM - VmRSS over one step")
+        if p.get("hwm_reset") is False:
+            note += " (clear_refs not writable: includes set-up)"
+        results.append(Result(BENCH, f"{m}_peak_memory", value, "MiB", note=note))
+    bound = positions * (shape["width"] + 1) * BYTES_PER_CANDIDATE / 2**20
+    for m in METHODS[1:]:
+        if "error" in peaks[m] or "error" in peaks["plain"]:
+            continue
+        extra = (peaks[m]["peak_delta_bytes"] - peaks["plain"]["peak_delta_bytes"]) / 2**20
+        results.append(Result(BENCH, f"{m}_extra_memory_vs_plain", extra, "MiB", goal=f"<= {bound:.3g}",
+                              note=f"bound N*(W+1)*{BYTES_PER_CANDIDATE} B; the vocabulary would add "
+                                   f"N*V*4 B = {positions * shape['vocab'] * 4 / 2**20:.0f} MiB per [N, V] tensor"))
+    return results
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--measure":
+        print(json.dumps(_measure_here(json.loads(argv[1]))))
+        return 0
+    from replay_plugin.bench import format_table
+
+    print(format_table(run(quick="--quick" in argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))
