@@ -80,3 +80,21 @@ def test_reduced_demo_meets_the_acceptance_figures(tmp_path):
     assert abs(bf16["support"]["mean_ratio"] - 1.0) < abs(bf16["none"]["mean_ratio"] - 1.0)
     assert out_png.exists() and out_png.stat().st_size > 10_000
     assert doc["meta"]["seconds"] < 180
+
+
+def test_reduced_demo_with_the_hf_trainer(tmp_path):
+    """--trainer hf: the FSDP replay path on the HF model (sampler-support settings only)."""
+    need("vllm")
+    out_json = tmp_path / "demo-hf.json"
+    exe = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+    proc = subprocess.run([exe, "demo", "--trainer", "hf", "--num-prompts", "6", "--max-tokens", "24",
+                           "--json", str(out_json)], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {(r["precision"], r["replay"]): r for r in json.loads(out_json.read_text())["rows"]}
+    assert set(rows) == {(p, s) for p in ("float32", "bfloat16") for s in ("none", "support")}
+    assert rows[("float32", "support")]["mean_abs_delta"] <= 1e-4
+    assert rows[("float32", "none")]["mean_ratio"] < 0.95
+    assert abs(rows[("bfloat16", "support")]["mean_ratio"] - 1.0) <= 0.01
+    assert all(r["route_agreement"] is None for r in rows.values())
