@@ -73,6 +73,9 @@ def run(names: list[str], quick: bool = False) -> list[Result]:
             results.append(Result(name, "(not available)", None, note=f"{exc}"))
             continue
         results.extend(module.run(quick=quick))
+    if quick:  # smoke shapes: the goals are stated for the full-size runs
+        for r in results:
+            r.goal = None
     return results
 
 

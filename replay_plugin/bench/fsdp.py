@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from typing import Callable
 
 from replay_plugin.bench import Result
+from replay_plugin.bench._memory import peak_delta, run_module_measure
 
 BENCH = "fsdp"
 FULL = {"batch": 8, "seq": 640, "response": 384, "vocab": 32768, "hidden": 256, "layers": 2, "experts": 8,
@@ -90,8 +89,6 @@ def _batch(shape: dict) -> dict:
 
 
 def _step_fn(method: str, model, batch: dict, shape: dict) -> Callable[[], None]:
-    import torch
-
     from replay_plugin.fsdp import response_logprobs
 
     a = shape["response"]
@@ -124,14 +121,6 @@ def _step_fn(method: str, model, batch: dict, shape: dict) -> Callable[[], None]
 # --------------------------------------------------------------------------- peak memory
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _measure_here(spec: dict) -> dict:
     """In the fresh subprocess: one step of ``spec['method']``, its resident-set peak delta."""
     shape = spec["shape"]
@@ -141,28 +130,11 @@ def _measure_here(spec: dict) -> dict:
     step()
     step.clear()
     gc.collect()
-    reset = True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        reset = False
-    before = _status_kib("VmRSS")
-    step()
-    return {"peak_delta_bytes": (_status_kib("VmHWM") - before) * 1024, "hwm_reset": reset}
+    return peak_delta(step)
 
 
 def _measure_peak(spec: dict) -> dict:
-    env = dict(os.environ)
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["MALLOC_TRIM_THRESHOLD_"] = "65536"
-    proc = subprocess.run(
-        [sys.executable, "-m", "replay_plugin.bench.fsdp", "--measure", json.dumps(spec)],
-        capture_output=True, text=True, env=env, timeout=1800,
-    )
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_module_measure("replay_plugin.bench.fsdp", spec)
 
 
 # --------------------------------------------------------------------------- run

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from typing import Callable, Optional
 
 from replay_plugin.bench import Result
+from replay_plugin.bench._memory import peak_delta, run_module_measure
 
 BENCH = "logprobs"
 FULL_SHAPE = {"tokens": 4096, "hidden": 1024, "vocab": 65536, "width": 32}
@@ -205,18 +204,8 @@ def _best_time(step: Callable[[], None], repeats: int) -> float:
 # --------------------------------------------------------------------------- peak memory
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _measure_here(spec: dict) -> dict:
     """Runs inside the fresh subprocess: one step of ``spec['method']``, peak RSS delta."""
-    import torch
-
     shape = spec["shape"]
     if spec["method"].startswith("logits_"):
         step = _logits_step_fn(spec["method"], _logits_inputs(shape))
@@ -227,32 +216,11 @@ def _measure_here(spec: dict) -> dict:
     step()
     step.clear()
     gc.collect()
-    reset = True
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        reset = False
-    before = _status_kib("VmRSS")
-    step()
-    peak = _status_kib("VmHWM")
-    return {"peak_delta_bytes": (peak - before) * 1024, "hwm_reset": reset}
+    return peak_delta(step)
 
 
 def _measure_peak(spec: dict) -> dict:
-    env = dict(os.environ)
-    # A fixed glibc mmap threshold (which also turns off its dynamic raising) makes every block
-    # of 64 KiB or more its own mapping, returned to the OS on free: memory freed after the
-    # warm-up does not hide the measured step's allocations in a reused heap.
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["MALLOC_TRIM_THRESHOLD_"] = "65536"
-    proc = subprocess.run(
-        [sys.executable, "-m", "replay_plugin.bench.logprobs", "--measure", json.dumps(spec)],
-        capture_output=True, text=True, env=env, timeout=1800,
-    )
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_module_measure("replay_plugin.bench.logprobs", spec)
 
 
 # --------------------------------------------------------------------------- flat logprobs

@@ -60,6 +60,7 @@ import time
 from typing import Any, Callable
 
 from replay_plugin.bench import Result
+from replay_plugin.bench._memory import MALLOC_ENV, peak_delta
 
 BENCH = "megatron"
 NUM_ROUTERS = 48
@@ -276,14 +277,6 @@ _SUPPORT_QUICK = {"batch": 2, "seq": 128, "vocab": 4096, "hidden": 32, "width": 
 _SUPPORT_METHODS = ("megatron", "helper_logits", "helper_fused", "helper_off")
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _support_batch(shape: dict):
     """Left-padded ids ``[B, S]``, attention, response loss mask and support rows ``[B, S, W]``
     (random distinct ids containing the token; row 0's last token a synthetic EOS)."""
@@ -376,15 +369,8 @@ def _support_rank(rank: int, world: int, port: int, shape: dict, queue) -> None:
             weight.grad = None
             gc.collect()
             dist.barrier()
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                reset = True
-            except OSError:
-                reset = False
-            before = _status_kib("VmRSS")
-            step(method)
-            peak[method] = (_status_kib("VmHWM") - before) * 1024
+            measured = peak_delta(lambda: step(method))
+            peak[method], reset = measured["peak_delta_bytes"], measured["hwm_reset"]
         queue.put((rank, {"seconds": best, "peak": peak, "hwm_reset": reset}))
     except BaseException as exc:  # noqa: BLE001
         import traceback
@@ -409,7 +395,7 @@ def _support_tp2(quick: bool) -> list[Result]:
     # Every block of 64 KiB or more its own mapping, returned to the OS when freed: the ranks'
     # resident-set high-water marks then see each step's own allocations.
     saved = {k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
-    os.environ.update({"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"})
+    os.environ.update(MALLOC_ENV)
     try:
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
