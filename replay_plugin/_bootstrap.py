@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from . import settings, status
+from . import _pth, settings, status
 
 log = logging.getLogger("replay_plugin")
 
@@ -31,7 +31,9 @@ _active = False
 
 
 def _remove_lazy_finder() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_replay_plugin_finder", False)]
+    finder = sys.__dict__.get(_pth.MARKER)
+    if finder is not None:
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
 
 
 def _configure_logging(cfg: settings.Settings) -> None:
@@ -145,10 +147,19 @@ def on_watched_import(name: str, path: Any = None, target: Any = None) -> Option
     triggering module itself would never fire. (wrapt cannot chain a namespace package's
     loader, which is None in the spec: a hook on ``megatron`` itself, a namespace package,
     would not fire; patches trigger on regular packages such as ``megatron.core``.)
+
+    Never raises into the user's import, except what strict mode asked for
+    (``REPLAY_PLUGIN_STRICT=1``): anything else is reported once on stderr.
     """
     _remove_lazy_finder()
-    activate()
-    for finder in sys.meta_path:
-        if type(finder).__name__ == "ImportHookFinder" and type(finder).__module__.startswith("wrapt"):
-            return finder.find_spec(name, path, target)
-    return None
+    try:
+        activate()
+        for finder in sys.meta_path:
+            if type(finder).__name__ == "ImportHookFinder" and type(finder).__module__.startswith("wrapt"):
+                return finder.find_spec(name, path, target)
+        return None
+    except Exception as exc:
+        if getattr(exc, "replay_plugin_strict", False) or settings.load().strict:
+            raise
+        sys.stderr.write(f"replay_plugin: activation failed on import of {name!r}: {exc!r}\n")
+        return None

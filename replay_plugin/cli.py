@@ -187,7 +187,7 @@ def doctor_report() -> dict:
     if sys.flags.no_site or sys.flags.isolated:
         problems.append("this interpreter runs with -S or -I: .pth files are not processed")
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys; print(any(getattr(f, '_replay_plugin_finder', 0) for f in sys.meta_path))"],
+        [sys.executable, "-c", "import sys; f = sys.__dict__.get('_replay_plugin_finder'); print(f is not None and f in sys.meta_path)"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     armed = probe.stdout.strip() == "True"

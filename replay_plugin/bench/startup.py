@@ -9,12 +9,15 @@ to ``sys.path`` without processing the ``.pth`` files inside it). Runs are inter
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+from typing import Optional
 
 from . import Result
 
@@ -36,8 +39,22 @@ def _make_venv(root: str, name: str, base_paths: list[str], pth_line: str | None
 
 def _time(python: str, code: str, env: dict) -> float:
     start = time.perf_counter()
-    subprocess.run([python, "-c", code], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+    pid = os.posix_spawn(python, [python, "-c", code], env)
+    _, status = os.waitpid(pid, 0)
+    elapsed = time.perf_counter() - start
+    if status != 0:
+        raise RuntimeError(f"{python} -c {code!r} failed (wait status {status})")
+    return elapsed
+
+
+def _instructions(python: str, code: str, env: dict) -> Optional[int]:
+    """Instructions executed by ``python -c code`` under callgrind (deterministic), or None."""
+    if shutil.which("valgrind") is None:
+        return None
+    proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", python, "-c", code],
+                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    match = re.search(r"Collected : (\d+)", proc.stderr)
+    return int(match.group(1)) if match else None
 
 
 def measure(code: str, rounds: int) -> dict[str, float]:
@@ -58,7 +75,11 @@ def measure(code: str, rounds: int) -> dict[str, float]:
             order = variants if i % 2 == 0 else list(reversed(variants))
             for name, python, e in order:
                 times[name].append(_time(python, code, e))
-    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        result = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        if code == "pass":
+            for name, python, e in variants:
+                result[f"{name}_instructions"] = _instructions(python, code, e)
+    return result
 
 
 def run(quick: bool = False) -> list[Result]:
@@ -83,4 +104,10 @@ def run(quick: bool = False) -> list[Result]:
         results.append(Result("startup", f"{label}: added with REPLAY_PLUGIN_DISABLE=1",
                               med["disabled"] - med["without"], "ms", None,
                               note=f"{med['disabled']:.2f} ms"))
+        if med.get("without_instructions") and med.get("with_instructions"):
+            base = med["without_instructions"]
+            for name in ("with", "disabled"):
+                results.append(Result("startup", f"{label}: instructions added ({name}, callgrind)",
+                                      (med[f"{name}_instructions"] - base) / 1e6, "M", None,
+                                      note=f"of {base / 1e6:.1f} M; deterministic, unlike wall time"))
     return results

@@ -14,7 +14,7 @@ line = open(sys.argv[1]).read()
 before = set(sys.modules)
 exec(line)
 exec(line)   # venvs run .pth import lines twice (cpython#75723)
-finders = [f for f in sys.meta_path if getattr(f, "_replay_plugin_finder", 0)]
+finders = [f for f in sys.meta_path if f is sys.__dict__.get("_replay_plugin_finder")]
 new = sorted(m for m in set(sys.modules) - before)
 print(len(finders), ",".join(new))
 import json   # a non-watched import passes through untouched

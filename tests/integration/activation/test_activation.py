@@ -13,14 +13,14 @@ SCHED = "megatron.core.pipeline_parallel.schedules"
 
 REPORT = r"""
 import inspect, json, sys
-armed = any(getattr(f, "_replay_plugin_finder", 0) for f in sys.meta_path)
+armed = sys.__dict__.get("_replay_plugin_finder") in sys.meta_path
 loaded_before = sorted(m for m in sys.modules if m.startswith("replay_plugin"))
 import megatron.core
 from megatron.core.pipeline_parallel import get_forward_backward_func
 import megatron.core.pipeline_parallel.schedules as s
 plugin_modules = sorted(m for m in sys.modules if m.startswith("replay_plugin"))
 out = {"armed_at_startup": armed, "loaded_before": loaded_before, "plugin_modules": plugin_modules,
-       "finder_left": any(getattr(f, "_replay_plugin_finder", 0) for f in sys.meta_path)}
+       "finder_left": sys.__dict__.get("_replay_plugin_finder") in sys.meta_path}
 if plugin_modules:
     import replay_plugin
     from replay_plugin.registry import patch_marker
