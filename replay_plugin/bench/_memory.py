@@ -56,3 +56,15 @@ def run_module_measure(module: str, spec: dict, timeout: float = 1800) -> dict:
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def module_main(argv: list[str], run: Callable[..., list], measure_here: Callable[[dict], dict]) -> int:
+    """``python -m replay_plugin.bench.X``: ``--measure JSON`` (the subprocess side of
+    :func:`run_module_measure`), else the benchmark's table (``--quick`` for smoke shapes)."""
+    if len(argv) == 2 and argv[0] == "--measure":
+        print(json.dumps(measure_here(json.loads(argv[1]))))
+        return 0
+    from . import format_table
+
+    print(format_table(run(quick="--quick" in argv)))
+    return 0

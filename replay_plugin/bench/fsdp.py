@@ -24,13 +24,12 @@ with the support width, not the vocabulary: ``N * (W + 1) * 64`` bytes (N scored
 from __future__ import annotations
 
 import gc
-import json
 import sys
 import time
 from typing import Callable
 
 from replay_plugin.bench import Result
-from replay_plugin.bench._memory import peak_delta, run_module_measure
+from replay_plugin.bench._memory import module_main, peak_delta, run_module_measure
 
 BENCH = "fsdp"
 FULL = {"batch": 8, "seq": 640, "response": 384, "vocab": 32768, "hidden": 256, "layers": 2, "experts": 8,
@@ -190,15 +189,5 @@ def run(quick: bool = False) -> list[Result]:
     return results
 
 
-def _main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "--measure":
-        print(json.dumps(_measure_here(json.loads(argv[1]))))
-        return 0
-    from replay_plugin.bench import format_table
-
-    print(format_table(run(quick="--quick" in argv)))
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(_main(sys.argv[1:]))
+    raise SystemExit(module_main(sys.argv[1:], run, _measure_here))
