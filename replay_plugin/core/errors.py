@@ -19,49 +19,35 @@ def _where(field: str, trajectory: Optional[int], token: Optional[int]) -> str:
     return ", ".join(parts)
 
 
-class ReplayDataError(ValueError):
+class _Located:
+    """The shared constructor: records where the data is wrong and builds the message."""
+
+    def __init__(
+        self,
+        field: str,
+        problem: str,
+        *,
+        trajectory: Optional[int] = None,
+        token: Optional[int] = None,
+        expected: Optional[str] = None,
+    ) -> None:
+        self.field = field
+        self.trajectory = trajectory
+        self.token = token
+        self.expected = expected
+        message = f"{_where(field, trajectory, token)}: {problem}"
+        if expected:
+            message += f" (expected {expected})"
+        super().__init__(message)  # type: ignore[call-arg]
+
+
+class ReplayDataError(_Located, ValueError):
     """Replay data with a wrong value, shape or layout.
 
     Attributes ``field``, ``trajectory`` (batch row or trajectory index, or None),
     ``token`` (token index within the trajectory, or None) and ``expected`` (text).
     """
 
-    def __init__(
-        self,
-        field: str,
-        problem: str,
-        *,
-        trajectory: Optional[int] = None,
-        token: Optional[int] = None,
-        expected: Optional[str] = None,
-    ) -> None:
-        self.field = field
-        self.trajectory = trajectory
-        self.token = token
-        self.expected = expected
-        message = f"{_where(field, trajectory, token)}: {problem}"
-        if expected:
-            message += f" (expected {expected})"
-        super().__init__(message)
 
-
-class ReplayTypeError(TypeError):
+class ReplayTypeError(_Located, TypeError):
     """Replay data of the wrong Python type or dtype; same attributes as ReplayDataError."""
-
-    def __init__(
-        self,
-        field: str,
-        problem: str,
-        *,
-        trajectory: Optional[int] = None,
-        token: Optional[int] = None,
-        expected: Optional[str] = None,
-    ) -> None:
-        self.field = field
-        self.trajectory = trajectory
-        self.token = token
-        self.expected = expected
-        message = f"{_where(field, trajectory, token)}: {problem}"
-        if expected:
-            message += f" (expected {expected})"
-        super().__init__(message)
