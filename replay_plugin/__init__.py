@@ -29,7 +29,10 @@ def deactivate() -> list:
     return _deactivate()
 
 
-# ``replay_plugin.status`` is the status module made callable: ``replay_plugin.status()``
-# returns one record per registered patch (a plain function of that name would be replaced by
-# the submodule the first time anything imports ``replay_plugin.status``).
-from . import status  # noqa: E402  (stdlib-only module)
+def status() -> list[dict]:
+    """One record per registered patch in this process: ``name``, ``upstream``, ``version``,
+    ``state``, ``reason``, ``targets`` (patches whose upstream is not imported yet show
+    ``not-imported``, or their toggle state)."""
+    from .registry import get
+
+    return get().status_rows()

@@ -19,9 +19,9 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any
 
-from . import _pth, settings, status
+from . import _pth, settings, states
 
 log = logging.getLogger("replay_plugin")
 
@@ -72,17 +72,10 @@ def activate() -> bool:
         reg = registry.get()
         reg.load_packs(strict=cfg.strict)
         for problem in settings.problems(reg.known_env(), cfg.environ):
-            status.note(problem)
+            states.note(problem)
             log.warning("replay_plugin: %s", problem)
         generation = _generation
-        to_arm = []
-        for spec in reg.specs.values():
-            if reg.initial_state(spec, cfg) is None:
-                status.record(
-                    status.PatchStatus(spec.name, spec.upstream, None, "not-imported",
-                                       f"waiting for import of {spec.trigger}", list(spec.targets))
-                )
-                to_arm.append(spec)
+        to_arm = reg.arm(cfg)
     # Outside the lock: hooks of already-imported modules fire right here (wrapt calls them
     # immediately), and a hook may import modules that take other threads' import locks.
     import wrapt
@@ -99,7 +92,7 @@ def _register_fork_hook() -> None:
     """A forked child inherits the parent's patches and records; give it its own status file."""
     global _fork_hook_registered
     _fork_hook_registered = True
-    os.register_at_fork(after_in_child=status.write_file)
+    os.register_at_fork(after_in_child=states.write_file)
 
 
 def _hook(name: str, generation: int):
@@ -139,7 +132,7 @@ def is_active() -> bool:
     return _active
 
 
-def on_watched_import(name: str, path: Any = None, target: Any = None) -> Optional[Any]:
+def on_watched_import(name: str, path: Any = None, target: Any = None) -> Any | None:
     """Called by the .pth finder on the first import of a watched top-level name.
 
     Activates, then lets wrapt's import-hook finder answer for ``name``: the triggering
@@ -154,8 +147,10 @@ def on_watched_import(name: str, path: Any = None, target: Any = None) -> Option
     _remove_lazy_finder()
     try:
         activate()
+        from wrapt.importer import ImportHookFinder
+
         for finder in sys.meta_path:
-            if type(finder).__name__ == "ImportHookFinder" and type(finder).__module__.startswith("wrapt"):
+            if isinstance(finder, ImportHookFinder):
                 return finder.find_spec(name, path, target)
         return None
     except Exception as exc:

@@ -1,33 +1,27 @@
 """The source of the one line in ``replay_plugin.pth``.
 
-``site`` executes every ``.pth`` line that starts with ``import`` in every Python process of
-the environment, twice in a venv (cpython#75723). The line therefore:
+``site`` runs every ``.pth`` line that starts with ``import`` in every Python process of the
+environment, twice in a venv (cpython#75723). The line checks ``REPLAY_PLUGIN_DISABLE`` first,
+uses the standard library only, imports nothing of this package at start-up, is idempotent
+and silent: it puts a finder on ``sys.meta_path`` that does nothing until the first import of
+a watched top-level name, then removes itself and hands over to ``replay_plugin._bootstrap``.
+Start-up cost is measured by ``replay-plugin bench startup`` (README, "Benchmarks").
 
-* uses the standard library only and imports nothing of this package at start-up
-  (importing any module from site-packages costs about 1 ms, the finder below about 0.3 ms);
-* checks ``REPLAY_PLUGIN_DISABLE`` before doing anything else;
-* is idempotent (a marker attribute on the finder) and never raises or prints on the
-  happy path;
-* puts a finder on ``sys.meta_path`` that does nothing until the first import of a watched
-  top-level name, then removes itself and hands over to ``replay_plugin._bootstrap``.
-
-The committed ``replay_plugin.pth`` must equal :func:`pth_line` (a unit test checks it;
-``python scripts/sync.py`` rewrites it).
+The committed ``replay_plugin.pth`` equals :func:`pth_line` (``python scripts/sync.py``).
 """
 
 from __future__ import annotations
 
+from .settings import TRUE
+
 #: Top-level import names of every patch target (checked against compat_matrix.yaml by a test).
 WATCHED = ("megatron", "skyrl", "verl", "vllm")
 
-#: Executed only when the plugin is not disabled and no finder is armed yet. Measured with
-#: callgrind on CPython 3.11 (instructions added to ``python -c pass``): any ``import`` line in a
-#: .pth costs ~0.38 M, parsing and compiling source ~0.3-0.5 M per statement-bearing string, a
-#: class body or generator more; so the finder is a plain function (``find_spec`` is an
-#: attribute pointing at itself), its marker lives on ``sys``, the names are short and every
-#: decision that can wait (error reporting, strict mode) waits in
-#: ``replay_plugin._bootstrap.on_watched_import``. A failed import of the bootstrap (a broken
-#: install) removes the finder, so it is not retried on every submodule import.
+#: Executed only when the plugin is not disabled and no finder is armed yet. Compiling source
+#: costs per statement, so the finder is a plain function (``find_spec`` is an attribute pointing
+#: at itself), its marker lives on ``sys``, and every decision that can wait (error reporting,
+#: strict mode) waits in ``_bootstrap.on_watched_import``. A failed import of the bootstrap (a
+#: broken install) removes the finder, so it is not retried on every submodule import.
 FINDER_SOURCE = (
     "def f(n, p=None, t=None):\n"
     " if n.partition('.')[0] in W:\n"
@@ -44,12 +38,10 @@ FINDER_SOURCE = (
 #: second run of the line in a venv arms nothing).
 MARKER = "_replay_plugin_finder"
 
-#: The guard runs before the finder source is compiled: with REPLAY_PLUGIN_DISABLE set
-#: (1/true/yes/on, any case) or the line already run, nothing else happens.
-GUARD = (
-    'os.environ.get("REPLAY_PLUGIN_DISABLE", "").lower() in ("1", "true", "yes", "on")'
-    f' or "{MARKER}" in sys.__dict__'
-)
+#: The guard runs before the finder source is compiled: with REPLAY_PLUGIN_DISABLE true (by
+#: ``settings.is_true``, generated from its table) or the line already run, nothing else happens.
+GUARD = f'os.environ.get("REPLAY_PLUGIN_DISABLE", "").strip().lower() in {TRUE!r} or "{MARKER}" in sys.__dict__'
+
 
 
 def armed_finder(sys_module=None):

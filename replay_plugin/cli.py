@@ -11,7 +11,7 @@ import site
 import subprocess
 import sys
 import tempfile
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from . import __version__
 
@@ -25,9 +25,9 @@ for m in mods:
     except BaseException as exc:
         failed.append({"module": m, "error": repr(exc), "traceback": traceback.format_exc()})
 import replay_plugin
-from replay_plugin import status as st
-doc = {"patches": st.rows(), "import_errors": failed, "events": st.events(),
-       "process": st.process_info()}
+from replay_plugin import states
+doc = {"patches": replay_plugin.status(), "import_errors": failed, "events": states.events(),
+       "process": states.process_info()}
 with open(out, "w") as fh:
     json.dump(doc, fh)
 """
@@ -44,7 +44,7 @@ def _table(rows: list[dict], columns: Sequence[str]) -> str:
 # --------------------------------------------------------------------------- status
 
 
-def status_in_fresh_process(modules: Sequence[str], python: Optional[str] = None) -> dict:
+def status_in_fresh_process(modules: Sequence[str], python: str | None = None) -> dict:
     """Import ``modules`` in a fresh interpreter (which activates the plugin the way a user's
     job would) and return its status document."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +99,7 @@ def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
     matrix = compat.load()
     upstreams = []
     problems = []
-    installed: dict[str, Optional[str]] = {}
+    installed: dict[str, str | None] = {}
     unknown = [k for k in only if k not in matrix.upstreams]
     if unknown:
         raise SystemExit(f"unknown upstream(s) {', '.join(unknown)}; the matrix has {', '.join(matrix.upstreams)}")
@@ -166,14 +166,17 @@ def _site_dirs() -> list[str]:
     return [d for d in dict.fromkeys(dirs)]
 
 
-def doctor_report() -> dict:
-    from . import _pth, compat, registry, settings
+def _pth_files() -> list[str]:
+    return [p for p in (os.path.join(d, "replay_plugin.pth") for d in _site_dirs()) if os.path.exists(p)]
 
-    problems: list[str] = []
-    notes: list[str] = []
+
+def _check_pth() -> list[str]:
+    """The .pth line is installed, current, processed, and arms the finder in a fresh process."""
+    from . import _pth, settings
+
+    problems = []
     expected = _pth.pth_line()
-    pth_files = [os.path.join(d, "replay_plugin.pth") for d in _site_dirs()]
-    found = [p for p in pth_files if os.path.exists(p)]
+    found = _pth_files()
     if not found:
         problems.append(
             "replay_plugin.pth is not in this interpreter's site-packages "
@@ -187,51 +190,75 @@ def doctor_report() -> dict:
     if sys.flags.no_site or sys.flags.isolated:
         problems.append("this interpreter runs with -S or -I: .pth files are not processed")
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys; f = sys.__dict__.get('_replay_plugin_finder'); print(f is not None and f in sys.meta_path)"],
+        [sys.executable, "-c", f"import sys; f = sys.__dict__.get({_pth.MARKER!r}); print(f is not None and f in sys.meta_path)"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    armed = probe.stdout.strip() == "True"
-    if settings.disabled():
-        notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")
-    elif not armed:
+    if not settings.disabled() and probe.stdout.strip() != "True":
         problems.append(f"a fresh `{sys.executable}` does not arm the import finder (the .pth line did not run)")
+    return problems
 
-    dists = [d for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").lower() in ("replay-plugin", "replay_plugin")]
-    locations = sorted({str(d.locate_file("")) for d in dists})
-    if len(dists) > 1:
-        problems.append(f"replay-plugin is installed {len(dists)} times: {', '.join(locations)}")
+
+def _check_distribution() -> list[str]:
+    """One installed copy, and the one being imported."""
     import replay_plugin
 
+    names = ("replay-plugin", "replay_plugin")
+    dists = [d for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").lower() in names]
+    locations = sorted({str(d.locate_file("")) for d in dists})
+    problems = []
+    if len(dists) > 1:
+        problems.append(f"replay-plugin is installed {len(dists)} times: {', '.join(locations)}")
     pkg_dir = os.path.dirname(os.path.abspath(replay_plugin.__file__))
     if dists and not any(pkg_dir.startswith(os.path.abspath(loc)) for loc in locations):
         problems.append(f"replay_plugin is imported from {pkg_dir}, not from the installed distribution at {locations[0]}")
+    return problems
 
-    vllm_plugins = os.environ.get("VLLM_PLUGINS")
-    if vllm_plugins is not None:
-        allowed = [p.strip() for p in vllm_plugins.split(",") if p.strip()]
-        if "replay_plugin" not in allowed:
-            problems.append(
-                f"VLLM_PLUGINS={vllm_plugins!r} excludes 'replay_plugin': vLLM processes that do not "
-                "process .pth files will not activate the plugin; add replay_plugin to the list"
-            )
 
-    matrix = compat.load()
-    versions = []
-    for key, up in matrix.upstreams.items():
+def _check_vllm_plugins() -> list[str]:
+    value = os.environ.get("VLLM_PLUGINS")
+    if value is None or "replay_plugin" in [p.strip() for p in value.split(",")]:
+        return []
+    return [
+        f"VLLM_PLUGINS={value!r} excludes 'replay_plugin': vLLM processes that do not process .pth "
+        "files will not activate the plugin; add replay_plugin to the list"
+    ]
+
+
+def _check_upstreams() -> tuple[list[str], list[str]]:
+    """(installed upstream versions, problems: versions outside the supported ranges)."""
+    from . import compat
+
+    versions, problems = [], []
+    for up in compat.load().upstreams.values():
         dist, version = compat.installed_version(up)
         if version is None:
             continue
         versions.append(f"{dist} {version}")
         if not compat.version_in(version, up.supported):
             problems.append(f"{dist} {version} is outside the supported range {up.supported} (patches will be skipped)")
+    return versions, problems
+
+
+def _check_settings() -> list[str]:
+    """Unknown or unreadable REPLAY_PLUGIN_* variables, and packs that failed to load."""
+    from . import registry, settings, states
+
     reg = registry.get()
     reg.load_packs()
-    for problem in settings.problems(reg.known_env()):
-        problems.append(problem)
-    for event in __import__("replay_plugin.status", fromlist=["events"]).events():
-        problems.append(event)
-    return {"version": __version__, "python": sys.executable, "pth": found, "upstreams": versions,
-            "problems": problems, "notes": notes, "ok": not problems}
+    return settings.problems(reg.known_env()) + states.events()
+
+
+def doctor_report() -> dict:
+    from . import settings
+
+    versions, version_problems = _check_upstreams()
+    problems = _check_pth() + _check_distribution() + _check_vllm_plugins() + version_problems + _check_settings()
+    notes = []
+    if settings.disabled():
+        notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")
+    return {"version": __version__, "python": sys.executable,
+            "pth": _pth_files(),
+            "upstreams": versions, "problems": problems, "notes": notes, "ok": not problems}
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -308,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -17,8 +17,7 @@ top-level file is used. Schema (version 1)::
         upstream: <key>
         targets: ["module:qualname", ...]
         versions: ">=0.16.0,<0.20"
-        default: true
-        env: REPLAY_PLUGIN_<NAME>
+        default: true                 # its toggle is REPLAY_PLUGIN_<NAME> (spec.toggle_name)
         fingerprints: {<version>: {<target>: "sha256:<16 hex>"}}
         untested: {<version range>: reason}   # optional: paths CI cannot run (e.g. GPU-only)
         why / fix / remove_when: str
@@ -32,13 +31,14 @@ PEP 440 prescribes.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.metadata
 import inspect
 import os
+import pkgutil
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -47,7 +47,7 @@ from packaging.version import InvalidVersion, Version
 SCHEMA_VERSION = 1
 _UPSTREAM_KEYS = {"import_name", "distributions", "supported", "tested", "notes"}
 _PATCH_KEYS = {
-    "upstream", "targets", "versions", "default", "env", "fingerprints", "untested",
+    "upstream", "targets", "versions", "default", "fingerprints", "untested",
     "why", "fix", "remove_when",
 }
 _PATCH_REQUIRED = _PATCH_KEYS - {"untested", "fingerprints"}
@@ -74,7 +74,6 @@ class MatrixPatch:
     targets: tuple[str, ...]
     versions: SpecifierSet
     default: bool
-    env: str
     fingerprints: dict[str, dict[str, str]]
     untested: dict[str, str]
     why: str
@@ -120,7 +119,7 @@ def format_spec(spec: SpecifierSet) -> str:
     return ",".join(str(s) for s in sorted(spec, key=lambda s: (_OP_ORDER.get(s.operator, 9), s.version)))
 
 
-def installed_version(upstream: Upstream) -> tuple[Optional[str], Optional[str]]:
+def installed_version(upstream: Upstream) -> tuple[str | None, str | None]:
     """``(distribution, version)`` of the first installed distribution of ``upstream``."""
     for dist in upstream.distributions:
         try:
@@ -131,17 +130,6 @@ def installed_version(upstream: Upstream) -> tuple[Optional[str], Optional[str]]
 
 
 # --------------------------------------------------------------------------- fingerprints
-
-
-def resolve_target(target: str) -> Any:
-    """Import ``module:qual.name`` and return the object (functions are unwrapped later)."""
-    module_name, sep, qualname = target.partition(":")
-    if not sep or not qualname:
-        raise CompatMatrixError(f"target {target!r} is not of the form 'module:qualname'")
-    obj: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def source_fingerprint(obj: Any) -> str:
@@ -176,14 +164,14 @@ class FingerprintCheck:
 
 
 def check_fingerprints(
-    targets: tuple[str, ...], fingerprints: Mapping[str, Mapping[str, str]], version: Optional[str]
+    targets: tuple[str, ...], fingerprints: Mapping[str, Mapping[str, str]], version: str | None
 ) -> FingerprintCheck:
     """Compare the installed sources of ``targets`` with the recorded ``fingerprints``
     (``{version: {target: sha}}``) for the installed ``version`` (None when unknown)."""
     current: dict[str, str] = {}
     for target in targets:
         try:
-            current[target] = source_fingerprint(resolve_target(target))
+            current[target] = source_fingerprint(pkgutil.resolve_name(target))
         except Exception as exc:  # noqa: BLE001 - any failure means the target is gone
             return FingerprintCheck("missing", f"cannot resolve {target}: {exc!r}", current)
     if not fingerprints:
@@ -209,7 +197,7 @@ def check_fingerprints(
     )
 
 
-def recorded_for(fingerprints: Mapping[str, Mapping[str, str]], version: Optional[str]) -> Optional[Mapping[str, str]]:
+def recorded_for(fingerprints: Mapping[str, Mapping[str, str]], version: str | None) -> Mapping[str, str] | None:
     """The fingerprints recorded for ``version`` (same public version), or None."""
     if version is None:
         return None
@@ -241,7 +229,7 @@ def default_path() -> str:
 _CACHE: dict[str, Matrix] = {}
 
 
-def load(path: Optional[str] = None) -> Matrix:
+def load(path: str | None = None) -> Matrix:
     """Load and validate the matrix (cached per path)."""
     path = os.path.abspath(path or os.environ.get("REPLAY_PLUGIN_MATRIX") or default_path())
     if path not in _CACHE:
@@ -272,7 +260,7 @@ def _mapping(obj: Mapping, key: str, where: str) -> dict:
     return value
 
 
-def _str(obj: Mapping, key: str, where: str, default: Optional[str] = None) -> str:
+def _str(obj: Mapping, key: str, where: str, default: str | None = None) -> str:
     value = obj.get(key, default)
     if not isinstance(value, str) or (default is None and not value.strip()):
         raise CompatMatrixError(f"{where}: {key!r} must be a non-empty string, got {value!r}")
@@ -336,11 +324,6 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
             raise CompatMatrixError(f"{where}: target {t} is not inside {import_name!r}")
     if not isinstance(value["default"], bool):
         raise CompatMatrixError(f"{where}: 'default' must be true or false")
-    from .settings import toggle_name
-
-    env = _str(value, "env", where)
-    if env != toggle_name(name):
-        raise CompatMatrixError(f"{where}: env must be {toggle_name(name)}, got {env}")
     versions = _spec(value, "versions", where)
     fingerprints = value.get("fingerprints") or {}
     if not isinstance(fingerprints, dict):
@@ -360,7 +343,6 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
         targets=tuple(targets),
         versions=versions,
         default=value["default"],
-        env=env,
         fingerprints={str(k): dict(v) for k, v in fingerprints.items()},
         untested={str(k): str(v) for k, v in untested.items()},
         why=_str(value, "why", where),

@@ -1,54 +1,53 @@
 """pluggy hook specifications: the extension surface of replay-plugin.
 
-A *patch pack* is a module (or object) registered under the entry-point group
-``replay_plugin.patches`` that implements :func:`replay_plugin_patches`. Observers (telemetry,
-a site policy) implement the other hooks. Example pack::
+A *patch pack* is a module registered under the entry-point group ``replay_plugin.patches``
+that implements :func:`replay_plugin_patches`. This package's own packs return a table whose
+metadata lives in compat_matrix.yaml (see README, "Adding a patch"); a third-party pack returns
+complete ``PatchSpec`` objects::
 
     from replay_plugin.hooks import hookimpl
-    from replay_plugin.registry import PatchSpec
+    from replay_plugin.spec import PatchSpec
 
     @hookimpl
     def replay_plugin_patches():
         return [PatchSpec(name="mysite.fix", upstream="megatron-core", ...)]
 
-Block a pack by its entry-point name with ``replay_plugin.registry.block_pack(name)`` before
-activation (pytest's ``-p no:NAME`` idea).
+What pluggy does here: it discovers nothing itself (the registry loads each entry point so
+that one broken pack cannot stop the others), but it blocks packs by name
+(``replay_plugin.registry.block_pack(name)``, pytest's ``-p no:NAME``), calls each pack's hook as
+the pack registers (a historic hook), and lets observers (telemetry, a site policy that fails a
+job on a skipped patch) see every applied or failed patch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import pluggy
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .registry import PatchSpec, ProbeResult
-    from .status import PatchStatus
+if TYPE_CHECKING:
+    from .spec import Patch, PatchSpec
+    from .states import PatchStatus
 
 PROJECT = "replay_plugin"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-@hookspec
-def replay_plugin_patches() -> "list[PatchSpec]":
-    """Return the patch specs this pack provides (called once per process at activation)."""
+@hookspec(historic=True)
+def replay_plugin_patches() -> Mapping[str, Patch] | Iterable[PatchSpec]:
+    """The pack's patches: ``{name: Patch}`` (metadata from compat_matrix.yaml) or specs.
 
-
-@hookspec(firstresult=True)
-def replay_plugin_probe(spec: "PatchSpec") -> "Optional[ProbeResult]":
-    """Decide whether the installed upstream still needs ``spec``.
-
-    Return a ``ProbeResult`` to override the spec's own probe (first non-None wins), or None to
-    let the spec's probe decide. Called after the target module is imported.
+    Called once per pack, when the pack registers.
     """
 
 
 @hookspec
-def replay_plugin_patch_applied(spec: "PatchSpec", status: "PatchStatus") -> None:
+def replay_plugin_patch_applied(spec: PatchSpec, status: PatchStatus) -> None:
     """Observe a patch that was applied."""
 
 
 @hookspec
-def replay_plugin_patch_failed(spec: "PatchSpec", status: "PatchStatus", error: BaseException) -> None:
-    """Observe a patch that failed to apply (``status.state == 'error'``)."""
+def replay_plugin_patch_failed(spec: PatchSpec, status: PatchStatus, error: BaseException) -> None:
+    """Observe a patch that failed to apply (``status.state`` is ``error`` or ``skipped-version``)."""

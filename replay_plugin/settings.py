@@ -12,8 +12,9 @@ Global switches:
 =================================  ============================================================
 
 Feature knobs belong to a patch (``PatchSpec.knobs``) and share the prefix without colliding
-with a toggle. Unknown ``REPLAY_PLUGIN_*`` names are reported (usually a typo).
-This module imports only the standard library.
+with a toggle. Unknown ``REPLAY_PLUGIN_*`` names are reported (usually a typo). Every boolean
+value (these variables, the ``.pth`` guard, the per-request vLLM keys) is read by
+:func:`parse_bool` or :func:`is_true`, over the one table :data:`TRUE` / :data:`FALSE`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
 
-PREFIX = "REPLAY_PLUGIN_"
+from .spec import ENV_PREFIX as PREFIX
 
 #: Global variables and their one-line meaning (README's table is checked against this).
 GLOBALS: dict[str, str] = {
@@ -36,8 +37,9 @@ GLOBALS: dict[str, str] = {
     "REPLAY_PLUGIN_MATRIX": "path of an alternative compat_matrix.yaml (to try a matrix change before shipping it)",
 }
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+#: Spellings of true and false (compared after ``strip().lower()``).
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
 
 
 class SettingError(ValueError):
@@ -47,22 +49,22 @@ class SettingError(ValueError):
 def parse_bool(name: str, value: str) -> bool:
     """``1/true/yes/on`` -> True, ``0/false/no/off`` or empty -> False, else SettingError."""
     v = value.strip().lower()
-    if v in _TRUE:
+    if v in TRUE:
         return True
-    if v in _FALSE:
+    if v in FALSE:
         return False
     raise SettingError(f"{name}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
 
 
-def toggle_name(patch_name: str) -> str:
-    """``megatron.router_replay_scope`` -> ``REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE``."""
-    return PREFIX + patch_name.upper().replace(".", "_").replace("-", "_")
+def is_true(value: str) -> bool:
+    """Whether ``value`` spells true; anything else (false, garbage) is False. Never raises."""
+    return value.strip().lower() in TRUE
 
 
-def disabled(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """The global kill switch (same rule as the .pth line: 1/true/yes/on, any case)."""
+def disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """The global kill switch, by the rule the .pth guard is generated from (:func:`is_true`)."""
     env = os.environ if environ is None else environ
-    return env.get("REPLAY_PLUGIN_DISABLE", "").lower() in _TRUE
+    return is_true(env.get("REPLAY_PLUGIN_DISABLE", ""))
 
 
 @dataclass(frozen=True)
@@ -72,45 +74,37 @@ class Settings:
     disable: bool
     strict: bool
     allow_unsupported: bool
-    status_dir: Optional[str]
-    log_level: Optional[str]
+    status_dir: str | None
+    log_level: str | None
     environ: Mapping[str, str]
 
-    def toggle(self, patch_name: str) -> Optional[bool]:
-        """The patch's ``REPLAY_PLUGIN_<PATCH>`` value, or None when unset.
+    def toggle(self, name: str) -> bool | None:
+        """The boolean variable ``name`` (a patch's ``REPLAY_PLUGIN_<PATCH>``), None when unset.
 
         An unparseable value raises SettingError (the registry records it, or raises in
         strict mode).
         """
-        name = toggle_name(patch_name)
         value = self.environ.get(name)
         if value is None:
             return None
         return parse_bool(name, value)
 
 
-def load(environ: Optional[Mapping[str, str]] = None) -> Settings:
+def load(environ: Mapping[str, str] | None = None) -> Settings:
     """Read the global switches. Bad boolean values are treated as unset and reported by
     :func:`problems` (they never raise here: this runs inside the user's import)."""
     env = dict(os.environ if environ is None else environ)
-
-    def flag(name: str) -> bool:
-        try:
-            return parse_bool(name, env.get(name, ""))
-        except SettingError:
-            return False
-
     return Settings(
         disable=disabled(env),
-        strict=flag("REPLAY_PLUGIN_STRICT"),
-        allow_unsupported=flag("REPLAY_PLUGIN_ALLOW_UNSUPPORTED"),
+        strict=is_true(env.get("REPLAY_PLUGIN_STRICT", "")),
+        allow_unsupported=is_true(env.get("REPLAY_PLUGIN_ALLOW_UNSUPPORTED", "")),
         status_dir=env.get("REPLAY_PLUGIN_STATUS_DIR") or None,
         log_level=env.get("REPLAY_PLUGIN_LOG_LEVEL") or None,
         environ=env,
     )
 
 
-def problems(known: Iterable[str], environ: Optional[Mapping[str, str]] = None) -> list[str]:
+def problems(known: Iterable[str], environ: Mapping[str, str] | None = None) -> list[str]:
     """Human-readable problems with ``REPLAY_PLUGIN_*`` variables: unknown names (with the
     closest known name) and unparseable boolean switches."""
     env = os.environ if environ is None else environ

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ["REPLAY_PLUGIN_DISABLE"] = "1"  # inspect upstream code without activating patches
 
-from replay_plugin import _pth, compat, settings  # noqa: E402
+from replay_plugin import _pth, compat, registry, settings  # noqa: E402
+from replay_plugin.spec import toggle_name  # noqa: E402
 
 MATRIX = os.path.join(ROOT, "compat_matrix.yaml")
 
@@ -34,8 +35,8 @@ def own_specs() -> list:
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
         eps = tomllib.load(fh)["project"]["entry-points"]["replay_plugin.patches"]
     specs = []
-    for module in eps.values():
-        specs.extend(importlib.import_module(module).replay_plugin_patches())
+    for name, module in eps.items():
+        specs.extend(registry.pack_specs(importlib.import_module(module).replay_plugin_patches(), name))
     return specs
 
 
@@ -63,7 +64,7 @@ def patches_table(matrix: compat.Matrix) -> str:
         first = why.split(". ")[0].rstrip(".") + "."
         printed = ", ".join(p.fingerprints) or "-"
         rows.append(f"| `{p.name}` | {p.upstream} | `{compat.format_spec(p.versions)}` | {'on' if p.default else 'off'} | "
-                    f"`{p.env}` | {printed} | {first} |")
+                    f"`{toggle_name(p.name)}` | {printed} | {first} |")
     return "\n".join(rows)
 
 

@@ -150,7 +150,7 @@ def _scope_overhead(quick: bool) -> list[Result]:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from replay_plugin.megatron import router_replay_scope
-    from replay_plugin.registry import PluginWrapper
+    from replay_plugin.patcher import PluginWrapper
 
     saved = list(RouterReplay.global_router_replay_instances)
     RouterReplay.global_router_replay_instances.clear()

@@ -1,32 +1,21 @@
-"""Patch pack for the FSDP/Ulysses utilities (entry point ``replay_plugin.patches: fsdp``).
-
-Only specs live here; the upstream gap, the probe and the wrapper are in
-:mod:`replay_plugin.fsdp.ulysses_nd_partition`, imported when a target module is imported.
+"""Patch pack for the FSDP/Ulysses utilities (entry point ``replay_plugin.patches: fsdp``): one
+row per patch; targets, versions and the rest are in compat_matrix.yaml. Both patches share
+the code (and probe) of :mod:`replay_plugin.fsdp.ulysses_nd_partition`.
 """
 
 from __future__ import annotations
 
 from ..hooks import hookimpl
-from ..registry import PatchSpec
+from ..spec import Patch
 
-_VERL = "verl.utils.ulysses"
-_SKYRL = "skyrl.backends.skyrl_train.distributed.ulysses.utils"
-_HERE = "replay_plugin.fsdp.ulysses_nd_partition"
+_CODE = "replay_plugin.fsdp.ulysses_nd_partition"
+
+PATCHES = {
+    "ulysses.nd_partition": Patch(f"{_CODE}:install_verl"),
+    "ulysses.nd_partition_skyrl": Patch(f"{_CODE}:install_skyrl"),
+}
 
 
 @hookimpl
-def replay_plugin_patches() -> list[PatchSpec]:
-    return [
-        PatchSpec.from_matrix(
-            "ulysses.nd_partition",
-            targets=(f"{_VERL}:ulysses_pad", f"{_VERL}:ulysses_pad_and_slice_inputs"),
-            install=f"{_HERE}:install_verl",
-            probe=f"{_HERE}:probe",
-        ),
-        PatchSpec.from_matrix(
-            "ulysses.nd_partition_skyrl",
-            targets=(f"{_SKYRL}:ulysses_pad_and_slice_inputs",),
-            install=f"{_HERE}:install_skyrl",
-            probe=f"{_HERE}:probe",
-        ),
-    ]
+def replay_plugin_patches() -> dict[str, Patch]:
+    return PATCHES

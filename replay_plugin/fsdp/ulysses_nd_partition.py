@@ -38,7 +38,8 @@ import traceback
 import types
 from typing import Any, Callable
 
-from ..registry import Patcher, PatchSpec, ProbeResult, patch_marker
+from ..patcher import Patcher, patch_marker
+from ..spec import PatchSpec, ProbeResult
 
 VERL = "verl.utils.ulysses"
 SKYRL = "skyrl.backends.skyrl_train.distributed.ulysses.utils"

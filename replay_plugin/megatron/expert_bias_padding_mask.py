@@ -34,9 +34,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from ..registry import Patcher, PatchSpec, ProbeResult
+from ..patcher import Patcher
+from ..spec import PatchSpec, ProbeResult
 
-TARGET = "megatron.core.transformer.moe.router:TopKRouter._apply_expert_bias"
 
 
 class _ProbeRouter:
@@ -98,4 +98,4 @@ def _apply_expert_bias(wrapped, instance, args, kwargs):
 
 
 def install(patcher: Patcher) -> None:
-    patcher.wrap(TARGET, _apply_expert_bias)
+    patcher.wrap("TopKRouter._apply_expert_bias", _apply_expert_bias)

@@ -352,7 +352,7 @@ _fallback_warned = False
 def _fallback_active() -> bool:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from replay_plugin.registry import patch_marker
+    from replay_plugin.patcher import patch_marker
 
     return patch_marker(inspect.getattr_static(RouterReplay, "get_replay_topk")) == "megatron.replay_padding_fallback"
 

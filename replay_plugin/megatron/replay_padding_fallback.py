@@ -30,9 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..registry import Patcher
+from ..patcher import Patcher
 
-TARGET = "megatron.core.transformer.moe.router_replay:RouterReplay.get_replay_topk"
 #: Attribute on a replay index tensor ``[N, K]``: bool ``[N]``, True = the router's own top-k.
 OWN_ROWS_ATTR = "_replay_plugin_own_rows"
 
@@ -78,4 +77,4 @@ def _get_replay_topk(wrapped, instance, args, kwargs):
 
 
 def install(patcher: Patcher) -> None:
-    patcher.wrap(TARGET, _get_replay_topk)
+    patcher.wrap("RouterReplay.get_replay_topk", _get_replay_topk)

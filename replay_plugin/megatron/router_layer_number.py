@@ -26,9 +26,9 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-from ..registry import Patcher, PatchSpec, ProbeResult
+from ..patcher import Patcher
+from ..spec import PatchSpec, ProbeResult
 
-TARGET = "megatron.core.transformer.moe.router:TopKRouter.set_layer_number"
 
 
 class _ProbeReplay:
@@ -68,4 +68,4 @@ def _set_layer_number(wrapped, instance, args, kwargs):
 
 
 def install(patcher: Patcher) -> None:
-    patcher.wrap(TARGET, _set_layer_number)
+    patcher.wrap("TopKRouter.set_layer_number", _set_layer_number)

@@ -45,15 +45,13 @@ import threading
 import weakref
 from typing import Any, Iterable
 
-from ..registry import Patcher
+from ..patcher import Patcher
 
-_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 SCHEDULE_FUNCTIONS = (
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_without_interleaving",
     "forward_backward_pipelining_with_interleaving",
 )
-_SET_TARGET = "megatron.core.transformer.moe.router_replay:RouterReplay.set_target_indices"
 
 #: Router buffers a forward pass with grad enabled accumulates into (absent ones are skipped):
 #: expert-bias counts (0.16+), global aux-loss counts and step counter, quantile-balancing
@@ -251,6 +249,6 @@ def _scope(wrapped, instance, args, kwargs):
 
 def install(patcher: Patcher) -> None:
     for name in SCHEDULE_FUNCTIONS:
-        patcher.wrap(f"{_SCHEDULES}:{name}", _scope)
-    patcher.wrap(_SET_TARGET, _observe_set_target)
+        patcher.wrap(name, _scope)
+    patcher.wrap("RouterReplay.set_target_indices", _observe_set_target)
     patcher.on_revert(_appended.clear)

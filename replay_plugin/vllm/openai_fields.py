@@ -33,19 +33,12 @@ from typing import Any, Optional
 
 from ..core.routes import compact
 from ..core.wire import encode_array
-from ..registry import Patcher
+from ..patcher import Patcher
 from . import options
 from .sample_support import sample_support
 
 log = logging.getLogger("replay_plugin")
 
-COMPLETION_RESPONSE = (
-    "vllm.entrypoints.openai.completion.serving:OpenAIServingCompletion.request_output_to_completion_response"
-)
-CHAT_FULL_GENERATOR = (
-    "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat.chat_completion_full_generator"
-)
-TARGETS = (COMPLETION_RESPONSE, CHAT_FULL_GENERATOR)
 
 SUPPORT_FIELD = "sample_support"
 ROUTES_FIELD = "routed_experts"
@@ -156,5 +149,5 @@ async def _chat_full(wrapped, instance, args, kwargs):
 
 
 def install(patcher: Patcher) -> None:
-    patcher.wrap(COMPLETION_RESPONSE, _completion_response)
-    patcher.wrap(CHAT_FULL_GENERATOR, _chat_full)
+    patcher.wrap("OpenAIServingCompletion.request_output_to_completion_response", _completion_response)
+    patcher.wrap("OpenAIServingChat.chat_completion_full_generator", _chat_full)

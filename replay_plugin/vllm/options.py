@@ -1,7 +1,7 @@
 """Who opted into replay data, and with which width: the knobs and the per-request keys.
 
-Pure (standard library only): imported by the patch specs and by the patch code, never imports
-vLLM.
+Never imports vLLM: imported by the patch pack (every process that imports a watched upstream)
+and by the patch code.
 
 Per request, in ``SamplingParams.extra_args`` (served: the ``vllm_xargs`` object of an
 OpenAI-compatible completion or chat request, which vLLM copies into ``extra_args``):
@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
-from ..registry import Knob
+from ..settings import SettingError, parse_bool
+from ..spec import Knob
 
 #: ``extra_args`` keys a request opts in with.
 SUPPORT_KEY = "replay_sample_support"
@@ -82,10 +83,6 @@ ROUTES_KNOBS = (
          "`opt-in`: only requests with `replay_routed_experts` or `replay_sample_support`"),
 )
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
 class OptionError(ValueError):
     """A replay key or knob holds a value the plugin cannot interpret (names the key)."""
 
@@ -100,12 +97,11 @@ def flag(value: Any, key: str) -> bool:
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in _TRUE:
-            return True
-        if v in _FALSE:
-            return False
+    if isinstance(value, str) and value.strip():
+        try:
+            return parse_bool(key, value)
+        except SettingError:
+            pass
     raise OptionError(key, f"got {value!r}; expected true/false (1/0, \"true\"/\"false\")")
 
 
@@ -124,12 +120,12 @@ def non_negative_int(value: Any, key: str) -> int:
     raise OptionError(key, f"got {value!r}; expected an int >= 0")
 
 
-def _env(name: str, default: str, environ: Optional[Mapping[str, str]]) -> str:
+def _env(name: str, default: str, environ: Mapping[str, str] | None) -> str:
     env = os.environ if environ is None else environ
     return env.get(name, default)
 
 
-def job_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+def job_mode(environ: Mapping[str, str] | None = None) -> str:
     """``""`` (not opted in), ``"opt-in"`` or ``"all"``."""
     value = _env(REQUESTS_ENV, "", environ).strip().lower()
     if value not in _MODES:
@@ -137,38 +133,38 @@ def job_mode(environ: Optional[Mapping[str, str]] = None) -> str:
     return value
 
 
-def job_slack(environ: Optional[Mapping[str, str]] = None) -> int:
+def job_slack(environ: Mapping[str, str] | None = None) -> int:
     return non_negative_int(_env(SLACK_ENV, str(DEFAULT_SLACK), environ), SLACK_ENV)
 
 
-def job_max_width(environ: Optional[Mapping[str, str]] = None) -> int:
+def job_max_width(environ: Mapping[str, str] | None = None) -> int:
     width = non_negative_int(_env(MAX_WIDTH_ENV, str(DEFAULT_MAX_WIDTH), environ), MAX_WIDTH_ENV)
     if width < 2:
         raise OptionError(MAX_WIDTH_ENV, f"got {width}; expected an int >= 2")
     return width
 
 
-def routes_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+def routes_mode(environ: Mapping[str, str] | None = None) -> str:
     value = _env(ROUTES_REQUESTS_ENV, "opt-in", environ).strip().lower()
     if value not in ("opt-in", "all"):
         raise OptionError(ROUTES_REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all'")
     return value
 
 
-def wants_support(extra_args: Optional[Mapping[str, Any]], environ: Optional[Mapping[str, str]] = None) -> bool:
+def wants_support(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
     """Does this request capture its sampler support? Its own key wins over the job mode."""
     if extra_args and SUPPORT_KEY in extra_args:
         return flag(extra_args[SUPPORT_KEY], SUPPORT_KEY)
     return job_mode(environ) == "all"
 
 
-def request_slack(extra_args: Optional[Mapping[str, Any]], environ: Optional[Mapping[str, str]] = None) -> int:
+def request_slack(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> int:
     if extra_args and SLACK_KEY in extra_args:
         return non_negative_int(extra_args[SLACK_KEY], SLACK_KEY)
     return job_slack(environ)
 
 
-def wants_routes(extra_args: Optional[Mapping[str, Any]], environ: Optional[Mapping[str, str]] = None) -> bool:
+def wants_routes(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
     """Does this request get compact, wire-encodable routed experts?"""
     if extra_args:
         if ROUTES_KEY in extra_args:

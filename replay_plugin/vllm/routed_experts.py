@@ -40,15 +40,11 @@ import logging
 from typing import Any
 
 from ..core.routes import compact
-from ..registry import Patcher
+from ..patcher import Patcher
 from . import options
 
 log = logging.getLogger("replay_plugin")
 
-NEW_REQUEST_STATE = "vllm.v1.engine.output_processor:RequestState.from_new_request"
-MAKE_REQUEST_OUTPUT = "vllm.v1.engine.output_processor:RequestState.make_request_output"
-COLLECTOR_PUT = "vllm.v1.engine.output_processor:RequestOutputCollector.put"
-TARGETS = (NEW_REQUEST_STATE, MAKE_REQUEST_OUTPUT, COLLECTOR_PUT)
 
 _FLAG = "_replay_plugin_routes"
 
@@ -109,7 +105,7 @@ def merge_drops_routes() -> bool:
 
 
 def install(patcher: Patcher) -> None:
-    patcher.wrap(NEW_REQUEST_STATE, _new_state)
-    patcher.wrap(MAKE_REQUEST_OUTPUT, _compact_outputs)
+    patcher.wrap("RequestState.from_new_request", _new_state)
+    patcher.wrap("RequestState.make_request_output", _compact_outputs)
     if merge_drops_routes():
-        patcher.wrap(COLLECTOR_PUT, _keep_routes_on_merge)
+        patcher.wrap("RequestOutputCollector.put", _keep_routes_on_merge)

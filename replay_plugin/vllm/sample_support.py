@@ -74,10 +74,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import status
+from .. import states
 from ..core.sampler import check_replayable
 from ..core.support import PAD, SupportRows, support_from_flat_logprobs, support_from_sampling_mask
-from ..registry import Patcher
+from ..patcher import Patcher
 from . import options
 
 log = logging.getLogger("replay_plugin")
@@ -186,7 +186,7 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning("replay_plugin: %s", message)
-        status.note(message)
+        states.note(message)
 
 
 # --------------------------------------------------------------------------- engine configuration
@@ -224,7 +224,7 @@ def _fit_engine(wrapped, instance, args, kwargs):
             + ", ".join(changes)
         )
         log.warning("replay_plugin: %s (logprobs of every request are now processed logprobs)", message)
-        status.note(message)
+        states.note(message)
     return config
 
 

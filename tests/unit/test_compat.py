@@ -50,7 +50,7 @@ def test_shipped_matrix_validates():
     (lambda r: r["upstreams"]["vllm"].update(tested=["0.10.0"]), "outside supported"),
     (lambda r: r["patches"]["megatron.router_replay_scope"].pop("why"), "missing keys \\['why'\\]"),
     (lambda r: r["patches"]["megatron.router_replay_scope"].update(upstream="nope"), "upstream 'nope'"),
-    (lambda r: r["patches"]["megatron.router_replay_scope"].update(env="REPLAY_PLUGIN_X"), "env must be"),
+    (lambda r: r["patches"]["megatron.router_replay_scope"].update(env="REPLAY_PLUGIN_X"), "unknown keys \\[.env.\\]"),
     (lambda r: r["patches"]["megatron.router_replay_scope"].update(targets=["vllm.x:y"]), "is not inside 'megatron'"),
     (lambda r: r["patches"]["megatron.router_replay_scope"].update(default="yes"), "'default' must be true or false"),
     (lambda r: r["patches"]["megatron.router_replay_scope"].update(fingerprints={"0.16.1": {"a:b": "x"}}),

@@ -8,7 +8,7 @@ import tomllib
 
 from packaging.requirements import Requirement
 
-from replay_plugin import _pth, compat
+from replay_plugin import _pth, compat, registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,8 +25,8 @@ def _matrix():
 def _own_specs():
     packs = _pyproject()["project"]["entry-points"]["replay_plugin.patches"]
     specs = []
-    for module in packs.values():
-        specs.extend(importlib.import_module(module).replay_plugin_patches())
+    for name, module in packs.items():
+        specs.extend(registry.pack_specs(importlib.import_module(module).replay_plugin_patches(), name))
     return specs
 
 
@@ -37,7 +37,7 @@ def test_registry_equals_matrix():
     for name, spec in specs.items():
         entry = matrix.patches[name]
         assert spec.targets == entry.targets, name
-        assert spec.upstream == entry.upstream and spec.env == entry.env and spec.default == entry.default
+        assert spec.upstream == entry.upstream and spec.default == entry.default
         assert spec.trigger.partition(".")[0] == matrix.upstreams[spec.upstream].import_name
 
 

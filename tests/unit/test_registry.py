@@ -7,8 +7,9 @@ import types
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from replay_plugin import hooks, registry, settings, status
-from replay_plugin.registry import Patcher, PatchSpec, ProbeResult
+from replay_plugin import hooks, registry, settings, states
+from replay_plugin.patcher import Patcher, PluginWrapper, patch_marker
+from replay_plugin.spec import Knob, Patch, PatchApplyError, PatchSpec, ProbeResult, UndeclaredTargetError
 
 MOD = "replay_test_target_module"
 
@@ -32,13 +33,14 @@ def target_module():
     mod = types.ModuleType(MOD)
     mod.Target, mod.function = Target, function
     sys.modules[MOD] = mod
-    status._reset_for_tests()
+    states._reset_for_tests()
     yield mod
     sys.modules.pop(MOD, None)
     Target.__dict__.get("inherited") and delattr(Target, "inherited")
 
 
-def spec(name="test.patch", install=None, probe=None, default=True, targets=(f"{MOD}:function",)):
+def spec(name="test.patch", install=None, probe=None, default=True,
+         targets=(f"{MOD}:function", f"{MOD}:Target.method", f"{MOD}:Target.inherited")):
     return PatchSpec(name=name, upstream="test-upstream", targets=targets, versions=SpecifierSet(">=0"),
                      default=default, why="w", fix="f", remove_when="r", install=install, probe=probe)
 
@@ -51,12 +53,12 @@ def test_wrap_marks_calls_and_is_idempotent(target_module):
     p = Patcher(spec())
     w = p.wrap(f"{MOD}:function", add_one)
     assert target_module.function(3) == 7
-    assert registry.patch_marker(target_module.function) == "test.patch"
+    assert patch_marker(target_module.function) == "test.patch"
     assert p.wrap(f"{MOD}:function", add_one) is w  # applying twice: no second layer
     assert target_module.function(3) == 7
     assert p.revert() == []
     assert target_module.function is function
-    assert registry.patch_marker(target_module.function) is None
+    assert patch_marker(target_module.function) is None
 
 
 def test_wrap_method_patches_the_class_and_reverts_inherited(target_module):
@@ -64,7 +66,7 @@ def test_wrap_method_patches_the_class_and_reverts_inherited(target_module):
     p.wrap(f"{MOD}:Target.method", add_one)
     p.wrap(f"{MOD}:Target.inherited", lambda w, i, a, k: w(*a, **k) + "!")
     assert Target().method(1) == 3 and Target().inherited() == "base!"
-    assert type(inspect.getattr_static(Target, "method")) is registry.PluginWrapper
+    assert type(inspect.getattr_static(Target, "method")) is PluginWrapper
     assert p.revert() == []
     assert Target().method(1) == 2 and "inherited" not in Target.__dict__ and Target().inherited() == "base"
 
@@ -78,7 +80,7 @@ def test_revert_refuses_when_someone_wrapped_on_top(target_module, caplog):
     problems = p.revert()
     assert problems and "wrapped on top" in problems[0]
     assert target_module.function(1) == 30  # both layers still there: nothing was torn out
-    assert registry.patch_marker(target_module.function) == "test.patch"
+    assert patch_marker(target_module.function) == "test.patch"
 
 
 def fresh_registry():
@@ -123,7 +125,7 @@ def test_failing_install_is_recorded_and_rolled_back(target_module):
 def test_strict_mode_raises(target_module):
     reg = fresh_registry()
     reg.register(spec(install=lambda p: 1 / 0))
-    with pytest.raises(registry.PatchApplyError, match="ZeroDivisionError"):
+    with pytest.raises(PatchApplyError, match="ZeroDivisionError"):
         reg.apply("test.patch", settings.load({"REPLAY_PLUGIN_STRICT": "1"}))
 
 
@@ -166,24 +168,75 @@ def test_observers_see_applied_and_failed(target_module):
     reg.revert_all()
 
 
-def test_probe_hook_overrides_spec_probe(target_module):
-    class Policy:
-        @hooks.hookimpl
-        def replay_plugin_probe(self, spec):
-            return ProbeResult(False, "site policy")
-
-    reg = fresh_registry()
-    reg.pm.register(Policy())
-    reg.register(spec(install=lambda p: None, probe=lambda s: ProbeResult(True, "needed")))
-    assert reg.apply("test.patch", settings.load({})).reason == "site policy"
-
-
 def test_knob_may_not_collide_with_toggle():
     with pytest.raises(ValueError, match="collides"):
         PatchSpec(name="x.y", upstream="u", targets=("m:f",), versions=SpecifierSet(), default=True, why="",
-                  fix="", remove_when="", knobs=(registry.Knob("REPLAY_PLUGIN_X_Y", "0", ""),))
+                  fix="", remove_when="", knobs=(Knob("REPLAY_PLUGIN_X_Y", "0", ""),))
 
 
-def test_from_matrix_rejects_target_drift():
-    with pytest.raises(ValueError, match="differ from the matrix"):
-        PatchSpec.from_matrix("megatron.router_replay_scope", targets=("megatron.core:x",), install=None)
+def test_wrapping_an_undeclared_target_is_refused(target_module):
+    p = Patcher(spec(targets=(f"{MOD}:function",)))
+    with pytest.raises(UndeclaredTargetError, match="Target.method"):
+        p.wrap(f"{MOD}:Target.method", add_one)
+    with pytest.raises(UndeclaredTargetError, match="not exactly one of its targets"):
+        p.wrap("Target.method", add_one)
+    assert Target().method(1) == 2 and p.changes == []
+
+
+def test_wrap_by_qualname_of_a_declared_target(target_module):
+    p = Patcher(spec())
+    p.wrap("function", add_one)
+    assert target_module.function(3) == 7
+    assert p.revert() == []
+
+
+def test_pack_table_takes_metadata_from_the_matrix():
+    (s,) = registry.pack_specs({"megatron.router_layer_number": Patch("mypkg.mod")}, "pk")
+    assert s.targets == ("megatron.core.transformer.moe.router:TopKRouter.set_layer_number",)
+    assert s.install == "mypkg.mod:install" and s.pack == "pk" and s.trigger == "megatron.core.transformer.moe.router"
+    assert s.env == "REPLAY_PLUGIN_MEGATRON_ROUTER_LAYER_NUMBER" and s.why
+    with pytest.raises(ValueError, match="no entry"):
+        registry.pack_specs({"nowhere.patch": Patch("mypkg.mod")})
+
+
+def test_probe_defaults_to_the_install_modules_probe(target_module):
+    target_module.install = lambda p: p.wrap("function", add_one)
+    target_module.probe = lambda s: ProbeResult(False, "fixed in this module's view")
+    reg = fresh_registry()
+    reg.register(spec(install=f"{MOD}:install"))
+    st = reg.apply("test.patch", settings.load({}))
+    assert st.state == "not-needed" and st.reason == "fixed in this module's view"
+
+
+class _Pack:
+    def __init__(self, specs=None, error=None):
+        self.specs, self.error = specs or [], error
+
+    @hooks.hookimpl
+    def replay_plugin_patches(self):
+        if self.error:
+            raise self.error
+        return self.specs
+
+
+def test_packs_register_through_pluggy_and_can_be_blocked():
+    reg = fresh_registry()
+    assert [s.name for s in reg.add_pack(_Pack([spec("p.one")]), "one")] == ["p.one"]
+    reg.pm.set_blocked("two")
+    assert reg.add_pack(_Pack([spec("p.two")]), "two") == []
+    with pytest.raises(RuntimeError, match="broken"):
+        reg.add_pack(_Pack(error=RuntimeError("broken")), "three")
+    assert not reg.pm.has_plugin("three")
+    assert set(reg.specs) == {"p.one"} and reg.specs["p.one"].pack == "one"
+
+
+def test_status_rows_query_records_nothing(target_module):
+    reg = fresh_registry()
+    reg.packs_loaded = True  # only the specs of this test
+    reg.register(spec("q.waiting", install=lambda p: None))
+    reg.register(spec("q.off", install=lambda p: None, default=False))
+    rows = {r["name"]: r for r in reg.status_rows(settings.load({}))}
+    assert rows["q.waiting"]["state"] == "not-imported" and rows["q.off"]["state"] == "disabled"
+    rows = {r["name"]: r for r in reg.status_rows(settings.load({"REPLAY_PLUGIN_DISABLE": "1"}))}
+    assert rows["q.waiting"]["state"] == "disabled" and "REPLAY_PLUGIN_DISABLE" in rows["q.waiting"]["reason"]
+    assert states.records() == []

@@ -4,8 +4,10 @@ from replay_plugin import settings
 
 
 def test_toggle_name():
-    assert settings.toggle_name("megatron.router_replay_scope") == "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE"
-    assert settings.toggle_name("ulysses.nd_partition") == "REPLAY_PLUGIN_ULYSSES_ND_PARTITION"
+    from replay_plugin.spec import toggle_name
+
+    assert toggle_name("megatron.router_replay_scope") == "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE"
+    assert toggle_name("ulysses.nd_partition") == "REPLAY_PLUGIN_ULYSSES_ND_PARTITION"
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("ON", True), ("yes", True),
@@ -24,8 +26,8 @@ def test_load_and_toggle():
                          "REPLAY_PLUGIN_STATUS_DIR": "/tmp/x"})
     assert cfg.strict and not cfg.disable and not cfg.allow_unsupported
     assert cfg.status_dir == "/tmp/x"
-    assert cfg.toggle("megatron.router_replay_scope") is False
-    assert cfg.toggle("vllm.sample_support") is None
+    assert cfg.toggle("REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE") is False
+    assert cfg.toggle("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT") is None
 
 
 def test_bad_global_value_is_not_fatal_but_reported():
@@ -35,7 +37,7 @@ def test_bad_global_value_is_not_fatal_but_reported():
 
 
 def test_disable_matches_pth_rule():
-    for value in ("1", "true", "TRUE", "on", "yes"):
+    for value in ("1", "true", "TRUE", "on", "yes", " 1 "):
         assert settings.disabled({"REPLAY_PLUGIN_DISABLE": value})
     for value in ("0", "", "no", "2"):
         assert not settings.disabled({"REPLAY_PLUGIN_DISABLE": value})
@@ -48,3 +50,12 @@ def test_unknown_names_reported_with_suggestion():
     assert problems == [
         "unknown variable REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCPOE; did you mean REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE?"
     ]
+
+
+def test_pth_guard_is_generated_from_the_one_table():
+    from replay_plugin import _pth
+
+    assert repr(settings.TRUE) in _pth.GUARD
+    for value in ("1", " On ", "YES", "0", "", "2", "off"):
+        guard = eval(_pth.GUARD.split(" or ")[0], {"os": type("O", (), {"environ": {"REPLAY_PLUGIN_DISABLE": value}})})
+        assert guard == settings.disabled({"REPLAY_PLUGIN_DISABLE": value}), value

@@ -23,7 +23,7 @@ out = {"armed_at_startup": armed, "loaded_before": loaded_before, "plugin_module
        "finder_left": sys.__dict__.get("_replay_plugin_finder") in sys.meta_path}
 if plugin_modules:
     import replay_plugin
-    from replay_plugin.registry import patch_marker
+    from replay_plugin.patcher import patch_marker
     out["marker"] = patch_marker(inspect.getattr_static(s, "forward_backward_no_pipelining"))
     out["returned"] = patch_marker(get_forward_backward_func(pp_size=1, vp_size=None))
     out["status"] = {r["name"]: r for r in replay_plugin.status()}
@@ -73,8 +73,8 @@ LIGHT = r"""
 import json, sys
 import megatron  # the namespace package alone: activation happens, megatron.core stays unimported
 import replay_plugin
-from replay_plugin import status
-print("REPORT" + json.dumps({"rows": {r["name"]: r for r in replay_plugin.status()}, "events": status.events(),
+from replay_plugin import states
+print("REPORT" + json.dumps({"rows": {r["name"]: r for r in replay_plugin.status()}, "events": states.events(),
                              "core_imported": "megatron.core" in sys.modules}))
 """
 
@@ -117,7 +117,7 @@ DOUBLE = r"""
 import inspect, json, wrapt
 import replay_plugin
 import megatron.core.pipeline_parallel.schedules as s
-from replay_plugin.registry import patch_marker
+from replay_plugin.patcher import patch_marker
 
 def layers():
     obj, n = inspect.getattr_static(s, "forward_backward_no_pipelining"), 0
@@ -164,7 +164,7 @@ def test_double_activation_revert_and_foreign_wrapper():
 FAULTY_PACK = '''
 from packaging.specifiers import SpecifierSet
 from replay_plugin.hooks import hookimpl
-from replay_plugin.registry import PatchSpec
+from replay_plugin.spec import PatchSpec
 
 def boom(patcher):
     raise RuntimeError("faulty pack exploded")
@@ -204,10 +204,10 @@ CHECK_FAULTY = r"""
 import json
 import megatron.core
 import replay_plugin
-from replay_plugin import status
+from replay_plugin import states
 rows = {r["name"]: r for r in replay_plugin.status()}
 print("REPORT" + json.dumps({"faulty": rows["faulty.pack_patch"], "scope": rows["megatron.router_replay_scope"]["state"],
-      "events": status.events()}))
+      "events": states.events()}))
 """
 
 

@@ -27,7 +27,7 @@ def test_fresh_venv_from_wheel(tmp_path, wheel):
     # plain path line: its own .pth files (this env's replay_plugin.pth included) are not processed.
     with open(os.path.join(site, "_deps.pth"), "w") as fh:
         fh.write(sysconfig.get_paths()["purelib"] + "\n")
-    code = ("import inspect, json, replay_plugin.registry as r, megatron.core.pipeline_parallel.schedules as s;"
+    code = ("import inspect, json, replay_plugin.patcher as r, megatron.core.pipeline_parallel.schedules as s;"
             "print(json.dumps([r.__file__, r.patch_marker(inspect.getattr_static(s, 'forward_backward_no_pipelining'))]))")
     # import megatron first (the finder must trigger), then inspect
     code = "import megatron.core\n" + code.replace(";", "\n")

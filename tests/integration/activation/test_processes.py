@@ -18,7 +18,7 @@ import inspect, json, multiprocessing as mp, os, sys
 
 def child(q):
     import megatron.core.pipeline_parallel.schedules as s
-    from replay_plugin.registry import patch_marker
+    from replay_plugin.patcher import patch_marker
     q.put((os.getpid(), patch_marker(inspect.getattr_static(s, "forward_backward_no_pipelining"))))
 
 if __name__ == "__main__":
@@ -73,10 +73,10 @@ import inspect, os
 import torch.distributed as dist
 dist.init_process_group("gloo")
 import megatron.core.pipeline_parallel.schedules as s
-from replay_plugin.registry import patch_marker
-from replay_plugin import status
+from replay_plugin.patcher import patch_marker
+from replay_plugin import states
 assert patch_marker(inspect.getattr_static(s, "forward_backward_no_pipelining")) == "megatron.router_replay_scope"
-status.write_file()
+states.write_file()
 dist.barrier()
 dist.destroy_process_group()
 '''

@@ -50,7 +50,7 @@ def test_verl_gap_with_patch_off():
 import json, torch
 import verl.utils.ulysses as U
 import replay_plugin
-from replay_plugin.registry import patch_marker
+from replay_plugin.patcher import patch_marker
 from replay_plugin.fsdp.ulysses_nd_partition import probe_function
 
 support = torch.arange(21, dtype=torch.int32).reshape(1, 7, 3)
@@ -106,7 +106,7 @@ def verl_partition(rank: int, world: int) -> dict:
     import verl.utils.ulysses as U
 
     import replay_plugin
-    from replay_plugin.registry import patch_marker
+    from replay_plugin.patcher import patch_marker
 
     support, routes, positions = _inputs()
     obs: dict = {
@@ -226,7 +226,7 @@ def skyrl_partition(rank: int, world: int) -> dict:
 
     import replay_plugin
     from replay_plugin.fsdp.ulysses_nd_partition import _nd_wrapper, probe_function
-    from replay_plugin.registry import PluginWrapper, patch_marker
+    from replay_plugin.patcher import PluginWrapper, patch_marker
 
     support, routes, positions = _inputs()
     state = {s["name"]: (s["state"], s["reason"]) for s in replay_plugin.status()}

@@ -98,9 +98,9 @@ def patch_off(name: str):
 
 
 def patch_state(name: str) -> str:
-    from replay_plugin import status
+    from replay_plugin import states
 
-    st = status.get(name)
+    st = states.get(name)
     return st.state if st else "unknown"
 
 

@@ -152,23 +152,30 @@ def test_job_knobs(monkeypatch):
     assert options.wants_routes({"replay_sample_support": True}, {})
 
 
-def test_patch_modules_wrap_the_spec_targets():
-    from replay_plugin.vllm import openai_fields, routed_experts, sample_support
+def test_patch_modules_wrap_only_their_declared_targets():
+    """Importing each trigger applies the patch; wrapping anything compat_matrix.yaml does not
+    list for it would have left it in state ``error`` (UndeclaredTargetError)."""
+    import importlib
+
+    import replay_plugin
+    from replay_plugin import registry
     from replay_plugin.vllm.patches import replay_plugin_patches
 
-    specs = {s.name: s for s in replay_plugin_patches()}
-    assert specs["vllm.sample_support"].targets == sample_support.TARGETS
+    specs = {s.name: s for s in registry.pack_specs(replay_plugin_patches())}
     assert specs["vllm.sample_support"].trigger == "vllm.engine.arg_utils"  # before any engine config
-    assert specs["vllm.routed_experts"].targets == routed_experts.TARGETS
-    assert specs["vllm.openai_fields"].targets == openai_fields.TARGETS
+    for spec in specs.values():
+        importlib.import_module(spec.trigger)
+    rows = {r["name"]: r for r in replay_plugin.status()}
+    assert {name: rows[name]["state"] for name in specs} == dict.fromkeys(specs, "applied")
 
 
 def test_knobs_are_declared_on_the_specs():
     """Feature knobs are known names (not reported as typos) and never collide with a toggle."""
+    from replay_plugin import registry
     from replay_plugin.vllm import options
     from replay_plugin.vllm.patches import replay_plugin_patches
 
-    specs = {s.name: s for s in replay_plugin_patches()}
+    specs = {s.name: s for s in registry.pack_specs(replay_plugin_patches())}
     knobs = {k.env for s in specs.values() for k in s.knobs}
     assert {options.REQUESTS_ENV, options.SLACK_ENV, options.MAX_WIDTH_ENV, options.ROUTES_REQUESTS_ENV} <= knobs
     assert not knobs & {s.env for s in specs.values()}

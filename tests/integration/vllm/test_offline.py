@@ -48,14 +48,14 @@ def _params(seed0: int = 0, n: int = len(PROMPTS), **kw):
 def stock_vllm():
     """The plugin's patches reverted in this process (the engine keeps its configuration)."""
     import replay_plugin
-    from replay_plugin import status
+    from replay_plugin import states
 
     replay_plugin.deactivate()
     try:
         yield
     finally:
         replay_plugin.activate()
-        assert status.get("vllm.sample_support").state == "applied"
+        assert states.get("vllm.sample_support").state == "applied"
 
 
 def _generate(llm, params, prompts=PROMPTS):
@@ -88,7 +88,7 @@ def test_engine_fitted_only_for_jobs_that_opt_in(tie_model, monkeypatch, caplog)
     import replay_plugin
     from vllm.engine.arg_utils import EngineArgs
 
-    from replay_plugin import status
+    from replay_plugin import states
 
     replay_plugin.activate()
 
@@ -110,7 +110,7 @@ def test_engine_fitted_only_for_jobs_that_opt_in(tie_model, monkeypatch, caplog)
         fitted = config()
     assert (fitted.logprobs_mode, fitted.max_logprobs) == ("processed_logprobs", 128)
     assert "logprobs_mode raw_logprobs -> processed_logprobs, max_logprobs 20 -> 128" in caplog.text
-    assert any("engine configuration changed" in e for e in status.events())
+    assert any("engine configuration changed" in e for e in states.events())
 
 
 # --------------------------------------------------------------------------- exact support

@@ -1,4 +1,5 @@
-"""Per-process status of every registered patch, and JSON status files per process.
+"""Per-process record store: the state of every patch and process-level events, and JSON status
+files per process. A plain store: it imports nothing from this package and computes nothing.
 
 States:
 
@@ -26,9 +27,7 @@ import socket
 import sys
 import threading
 import time
-import types
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 STATES = (
     "applied", "disabled", "skipped-version", "not-imported", "not-needed",
@@ -40,7 +39,7 @@ STATES = (
 class PatchStatus:
     name: str
     upstream: str
-    version: Optional[str]
+    version: str | None
     state: str
     reason: str = ""
     targets: list[str] = field(default_factory=list)
@@ -54,13 +53,15 @@ _records: dict[str, PatchStatus] = {}
 _events: list[str] = []
 
 
-def record(status: PatchStatus) -> None:
-    """Store ``status`` (replacing the previous one of that patch) and write the status file."""
+def record(status: PatchStatus) -> PatchStatus:
+    """Store ``status`` (replacing the previous one of that patch), write the status file, and
+    return ``status``."""
     if status.state not in STATES:
         raise ValueError(f"unknown state {status.state!r}")
     with _lock:
         _records[status.name] = status
     write_file()
+    return status
 
 
 def note(message: str) -> None:
@@ -70,7 +71,7 @@ def note(message: str) -> None:
     write_file()
 
 
-def get(name: str) -> Optional[PatchStatus]:
+def get(name: str) -> PatchStatus | None:
     with _lock:
         return _records.get(name)
 
@@ -85,7 +86,7 @@ def events() -> list[str]:
         return list(_events)
 
 
-def _rank() -> Optional[int]:
+def _rank() -> int | None:
     for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         value = os.environ.get(name)
         if value is not None and value.isdigit():
@@ -133,7 +134,7 @@ def snapshot() -> dict:
     return {"process": process_info(), "time": time.time(), "patches": patches, "events": evs}
 
 
-def write_file(directory: Optional[str] = None) -> Optional[str]:
+def write_file(directory: str | None = None) -> str | None:
     """Write this process's status JSON into ``directory`` (default: REPLAY_PLUGIN_STATUS_DIR).
 
     Never raises: a status file must not break training. Returns the path written, or None.
@@ -151,31 +152,6 @@ def write_file(directory: Optional[str] = None) -> Optional[str]:
         return path
     except Exception:  # noqa: BLE001
         return None
-
-
-def rows() -> list[dict]:
-    """One record per registered patch in this process: ``name``, ``upstream``, ``version``,
-    ``state``, ``reason``, ``targets``. Loads the patch specs if nothing triggered them yet
-    (patches never triggered show ``not-imported``, or their toggle state)."""
-    from . import registry, settings
-
-    cfg = settings.load()
-    reg = registry.get()
-    if not cfg.disable:
-        reg.load_packs()
-    for spec in reg.specs.values():
-        if get(spec.name) is None and (cfg.disable or reg.initial_state(spec, cfg) is None):
-            record(PatchStatus(spec.name, spec.upstream, None, "not-imported",
-                               f"waiting for import of {spec.trigger}", list(spec.targets)))
-    return [r.as_dict() for r in records()]
-
-
-class _CallableModule(types.ModuleType):
-    def __call__(self) -> list[dict]:
-        return rows()
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 
 def _reset_for_tests() -> None:
