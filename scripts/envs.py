@@ -5,6 +5,7 @@
     python3 scripts/envs.py lock NAME          # re-resolve envs/NAME.in into envs/NAME.lock
     python3 scripts/envs.py wheel              # build the plugin wheel into dist/
     python3 scripts/envs.py test [NAME ...] [-- PYTEST ARGS]   # what scripts/test runs
+                                               # (test paths in PYTEST ARGS replace NAME's own)
     python3 scripts/envs.py lint               # ruff check, ruff format --check, mypy (env lint)
     python3 scripts/envs.py run NAME -- CMD... # run CMD with NAME's venv first on PATH
 
@@ -240,6 +241,19 @@ def runs_subset(pytest_args: list[str]) -> bool:
     return any(not a.startswith("-") or a.startswith(SUBSET_OPTIONS) for a in pytest_args)
 
 
+def _test_path(arg: str) -> str | None:
+    """``arg`` as an absolute test path (``file.py::test`` too) when it names an existing path,
+    relative to the working directory or to the checkout; else None."""
+    if arg.startswith("-"):
+        return None
+    path, sep, node = arg.partition("::")
+    for base in (os.getcwd(), ROOT):
+        full = os.path.join(base, path)
+        if os.path.exists(full):
+            return os.path.abspath(full) + sep + node
+    return None
+
+
 def run_tests(names: list[str], pytest_args: list[str]) -> int:
     cfg = config()
     for name in names:
@@ -269,8 +283,12 @@ def run_tests(names: list[str], pytest_args: list[str]) -> int:
             PATH=os.path.join(venv, "bin") + os.pathsep + env.get("PATH", ""),
         )
         env.pop("PYTHONPATH", None)
+        # Test paths among the extra arguments replace the environment's own.
+        paths = [_test_path(a) for a in pytest_args]
+        args = [p or a for p, a in zip(paths, pytest_args)]
+        own = [] if any(paths) else [os.path.join(ROOT, t) for t in cfg[name]["tests"]]
         cmd = [os.path.join(venv, "bin", "python"), "-m", "pytest", "-p", "no:cacheprovider",
-               "--rootdir", ROOT, *[os.path.join(ROOT, t) for t in cfg[name]["tests"]], *pytest_args]
+               "--rootdir", ROOT, *own, *args]
         log(f"[{name}] {' '.join(cmd[2:])}")
         start = time.time()
         # Run from a directory outside the checkout so that `import replay_plugin` resolves to
