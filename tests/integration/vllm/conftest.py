@@ -7,7 +7,8 @@ value occurs three times, so ``top_k`` not divisible by 3 always cuts a tie at t
 
 At most one engine runs at a time (2 shared cores): the offline ``LLM`` lives for the session
 but is shut down before the ``vllm serve`` fixture starts its server (test_served.py sorts
-after the offline tests). Every wait has a timeout.
+after the offline tests) and before test_routes_many_experts.py runs its own engine (a model
+with more than 256 experts) in a subprocess. Every wait has a timeout.
 """
 
 from __future__ import annotations
