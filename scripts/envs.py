@@ -217,13 +217,16 @@ def install_wheel(venv: str, wheel: str) -> None:
     pip(venv, "install", "-q", "--no-deps", "--force-reinstall", wheel)
 
 
-def upstream_failures(report_path: str, declared: list[str]) -> list[str]:
+def upstream_failures(name: str, report_path: str, declared: list[str]) -> list[str]:
     """Why the upstream report of a pytest run fails its environment (empty: it does not)."""
     try:
         with open(report_path) as fh:
             counts = json.load(fh)["upstreams"]
     except (OSError, ValueError, KeyError) as exc:
         return [f"no upstream report from pytest ({report_path}: {exc})"]
+    log(f"[{name}] tests per upstream: " + ", ".join(
+        f"{up} {c.get('passed', 0)} passed/{c.get('skipped', 0)} skipped/{c.get('failed', 0)} failed"
+        for up, c in sorted(counts.items())) if counts else f"[{name}] no test declared an upstream")
     problems = []
     for up in declared:
         c = counts.get(up)
@@ -299,7 +302,7 @@ def run_tests(names: list[str], pytest_args: list[str]) -> int:
             problems.append("pytest collected no tests (exit 5)")
         elif rc != 0:
             problems.append(f"pytest exit {rc}")
-        uncovered = upstream_failures(report, declared)
+        uncovered = upstream_failures(name, report, declared)
         shutil.rmtree(report_dir, ignore_errors=True)
         if uncovered and runs_subset(pytest_args):
             for p in uncovered:
