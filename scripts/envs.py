@@ -5,7 +5,15 @@
     python3 scripts/envs.py lock NAME          # re-resolve envs/NAME.in into envs/NAME.lock
     python3 scripts/envs.py wheel              # build the plugin wheel into dist/
     python3 scripts/envs.py test [NAME ...] [-- PYTEST ARGS]   # what scripts/test runs
+                                               # (test paths in PYTEST ARGS replace NAME's own)
+    python3 scripts/envs.py lint               # ruff check, ruff format --check, mypy (env lint)
     python3 scripts/envs.py run NAME -- CMD... # run CMD with NAME's venv first on PATH
+
+Test environments are the entries of envs/envs.toml with `tests`; `lint` has none (no pytest).
+An environment fails when pytest fails, when it collects no tests (exit 5), and when a declared
+upstream has no passed test: tests/conftest.py writes, per upstream passed to need(), how many
+tests passed, failed and skipped ($REPLAY_TEST_REPORT). When extra pytest arguments select a
+subset of the tests (paths, -k, -m, -x, ...) that upstream check is reported but not enforced.
 
 Venvs live in $REPLAY_VENVS (default ~/.cache/replay-plugin/venvs) under NAME-<hash of the lock
 file and Python version>, so a venv is reused only while its pinned requirements are unchanged;
@@ -30,6 +38,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVS_DIR = os.path.join(ROOT, "envs")
 INSTALL_SCHEME = "1"  # bump to force every cached venv to be rebuilt
 TORCH_FAMILY = {"torch", "torchaudio", "torchvision", "torchcodec"}
+LINT_ENV = "lint"
+LINT_COMMANDS = (["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy"])
+# pytest options that run a subset of an environment's tests (or stop early)
+SUBSET_OPTIONS = ("-k", "-m", "-x", "--exitfirst", "--maxfail", "--deselect", "--ignore", "--lf", "--last-failed",
+                  "--sw", "--stepwise", "--co", "--collect-only")
 
 
 def log(msg: str) -> None:
@@ -39,6 +52,24 @@ def log(msg: str) -> None:
 def config() -> dict:
     with open(os.path.join(ENVS_DIR, "envs.toml"), "rb") as fh:
         return tomllib.load(fh)
+
+
+def test_envs(cfg: dict) -> list[str]:
+    """The environments that run tests (those with ``tests``), in envs.toml order."""
+    return [name for name, env in cfg.items() if env.get("tests")]
+
+
+def _in_lines(path: str) -> list[str]:
+    """Requirement lines of a .in file, following ``-r`` includes."""
+    lines = []
+    with open(path) as fh:
+        for line in fh:
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("-r "):
+                lines += _in_lines(os.path.join(os.path.dirname(path), line[3:].strip()))
+            elif line:
+                lines.append(line)
+    return lines
 
 
 def python_for(version: str) -> str:
@@ -144,7 +175,9 @@ def lock(name: str) -> None:
         venv = os.path.join(tmp, "venv")
         subprocess.run([python_for(cfg["python"]), "-m", "venv", venv], check=True)
         pip(venv, "install", "-q", "--upgrade", "pip")
-        pip(venv, "install", "torch==2.13.0")  # first: the other packages then keep it
+        torch = [r for r in _in_lines(os.path.join(ENVS_DIR, f"{name}.in")) if r.startswith("torch==")]
+        if torch:
+            pip(venv, "install", *torch)  # first: the other packages then keep it
         extra: list[str] = []
         wheels = []
         for req in cfg.get("no_deps", []):
@@ -184,40 +217,120 @@ def install_wheel(venv: str, wheel: str) -> None:
     pip(venv, "install", "-q", "--no-deps", "--force-reinstall", wheel)
 
 
+def upstream_failures(name: str, report_path: str, declared: list[str]) -> list[str]:
+    """Why the upstream report of a pytest run fails its environment (empty: it does not)."""
+    try:
+        with open(report_path) as fh:
+            counts = json.load(fh)["upstreams"]
+    except (OSError, ValueError, KeyError) as exc:
+        return [f"no upstream report from pytest ({report_path}: {exc})"]
+    log(f"[{name}] tests per upstream: " + ", ".join(
+        f"{up} {c.get('passed', 0)} passed/{c.get('skipped', 0)} skipped/{c.get('failed', 0)} failed"
+        for up, c in sorted(counts.items())) if counts else f"[{name}] no test declared an upstream")
+    problems = []
+    for up in declared:
+        c = counts.get(up)
+        if c is None:
+            problems.append(f"upstream {up}: no test declared it with need()")
+        elif c.get("passed", 0) == 0:
+            problems.append(f"upstream {up}: no test passed ({c.get('skipped', 0)} skipped, "
+                            f"{c.get('failed', 0)} failed)")
+    return problems
+
+
+def runs_subset(pytest_args: list[str]) -> bool:
+    """Whether extra pytest arguments select a subset of the tests: a path (or an option's
+    value) or one of SUBSET_OPTIONS. Output options such as -q, -v, -s do not."""
+    return any(not a.startswith("-") or a.startswith(SUBSET_OPTIONS) for a in pytest_args)
+
+
+def _test_path(arg: str) -> str | None:
+    """``arg`` as an absolute test path (``file.py::test`` too) when it names an existing path,
+    relative to the working directory or to the checkout; else None."""
+    if arg.startswith("-"):
+        return None
+    path, sep, node = arg.partition("::")
+    for base in (os.getcwd(), ROOT):
+        full = os.path.join(base, path)
+        if os.path.exists(full):
+            return os.path.abspath(full) + sep + node
+    return None
+
+
 def run_tests(names: list[str], pytest_args: list[str]) -> int:
     cfg = config()
-    names = names or list(cfg)
+    for name in names:
+        if name not in cfg:
+            raise SystemExit(f"no environment {name!r} in envs/envs.toml")
+        if not cfg[name].get("tests"):
+            raise SystemExit(f"{name!r} is not a test environment (no `tests` in envs/envs.toml)")
+    names = names or test_envs(cfg)
     wheel = build_wheel()
     log(f"wheel {wheel}")
     summary = []
     for name in names:
         venv = ensure(name)
         install_wheel(venv, wheel)
+        declared = list(cfg[name]["upstreams"])
         env = dict(os.environ)
         for k in list(env):
             if k.startswith("REPLAY_PLUGIN_"):
                 del env[k]
+        report_dir = tempfile.mkdtemp(prefix=f"replay-test-{name}-")
+        report = os.path.join(report_dir, "upstreams.json")  # tests/conftest.py writes it
         env.update(
             REPLAY_TEST_ENV=name,
-            REPLAY_TEST_UPSTREAMS=",".join(cfg[name]["upstreams"]),
+            REPLAY_TEST_UPSTREAMS=",".join(declared),
             REPLAY_TEST_WHEEL=wheel,
+            REPLAY_TEST_REPORT=report,
             PATH=os.path.join(venv, "bin") + os.pathsep + env.get("PATH", ""),
         )
         env.pop("PYTHONPATH", None)
+        # Test paths among the extra arguments replace the environment's own.
+        paths = [_test_path(a) for a in pytest_args]
+        args = [p or a for p, a in zip(paths, pytest_args)]
+        own = [] if any(paths) else [os.path.join(ROOT, t) for t in cfg[name]["tests"]]
         cmd = [os.path.join(venv, "bin", "python"), "-m", "pytest", "-p", "no:cacheprovider",
-               "--rootdir", ROOT, *[os.path.join(ROOT, t) for t in cfg[name]["tests"]], *pytest_args]
+               "--rootdir", ROOT, *own, *args]
         log(f"[{name}] {' '.join(cmd[2:])}")
         start = time.time()
         # Run from a directory outside the checkout so that `import replay_plugin` resolves to
         # the installed wheel, not to the source tree.
         rc = subprocess.run(cmd, env=env, cwd=os.path.join(ROOT, "tests")).returncode
-        if rc == 5:  # pytest: no tests collected (an environment whose test folders are still empty)
-            log(f"[{name}] no tests collected")
-            rc = 0
-        summary.append((name, rc, time.time() - start))
-    for name, rc, secs in summary:
-        log(f"{name}: {'passed' if rc == 0 else f'FAILED (exit {rc})'} in {secs:.0f} s")
-    return 0 if all(rc == 0 for _, rc, _ in summary) else 1
+        problems = []
+        if rc == 5:
+            problems.append("pytest collected no tests (exit 5)")
+        elif rc != 0:
+            problems.append(f"pytest exit {rc}")
+        uncovered = upstream_failures(name, report, declared)
+        shutil.rmtree(report_dir, ignore_errors=True)
+        if uncovered and runs_subset(pytest_args):
+            for p in uncovered:
+                log(f"[{name}] not enforced (the pytest arguments select a subset): {p}")
+        else:
+            problems += uncovered
+        for p in problems:
+            log(f"[{name}] FAILED: {p}")
+        summary.append((name, problems, time.time() - start))
+    for name, problems, secs in summary:
+        log(f"{name}: {'passed' if not problems else 'FAILED (' + '; '.join(problems) + ')'} in {secs:.0f} s")
+    return 0 if all(not problems for _, problems, _ in summary) else 1
+
+
+def run_lint() -> int:
+    """ruff check, ruff format --check and mypy (configured in pyproject.toml) in the lint
+    environment, from the checkout; every command runs and any failure fails the step."""
+    venv = ensure(LINT_ENV)
+    env = dict(os.environ, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("PYTHONPATH", None)
+    failed = []
+    for cmd in LINT_COMMANDS:
+        log(f"[lint] {' '.join(cmd)}")
+        rc = subprocess.run([os.path.join(venv, "bin", cmd[0]), *cmd[1:]], env=env, cwd=ROOT).returncode
+        if rc != 0:
+            failed.append(f"{' '.join(cmd)} (exit {rc})")
+    log("lint: passed" if not failed else f"lint: FAILED: {'; '.join(failed)}")
+    return 1 if failed else 0
 
 
 def main(argv: list[str]) -> int:
@@ -247,6 +360,8 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "test":
         return run_tests(rest, extra)
+    if cmd == "lint":
+        return run_lint()
     if cmd == "run":
         (name,) = rest
         venv = ensure(name)

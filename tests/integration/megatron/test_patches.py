@@ -1,5 +1,6 @@
-"""The megatron patch pack as a whole: probes in both directions, what ``replay-plugin status``
-reports on the installed megatron-core, and the scope wrapper's cost on the real schedule."""
+"""The megatron patch pack as a whole: probes in both directions and what ``replay-plugin status``
+reports on the installed megatron-core. (The scope wrapper's cost is measured, not asserted, by
+``replay-plugin bench megatron``.)"""
 
 from __future__ import annotations
 
@@ -148,45 +149,6 @@ def test_status_cli_reports_every_megatron_patch():
     }
     assert "raises RuntimeError" in rows["megatron.expert_bias_padding_mask"]["reason"]
     assert all(r["version"] == importlib.metadata.version("megatron-core") for r in rows.values())
-
-
-# --------------------------------------------------------------------------------------
-# overhead of the scope wrapper on the real schedule
-
-
-def scenario_scope_overhead(rounds: int = 31, calls: int = 20):
-    import inspect
-
-    import torch
-    import megatron.core.pipeline_parallel.schedules as schedules
-
-    from replay_plugin.bench.megatron import _interleaved_diff
-
-    model = harness.build_model(num_layers=2)  # real routers: the forward-only path snapshots their counts
-    wrapped = schedules.forward_backward_no_pipelining
-    plain = inspect.unwrap(wrapped)
-
-    def forward_step(data_iterator, m):  # trivial: no model call
-        return torch.zeros(1, requires_grad=True), lambda o: (o.sum(), {})
-
-    out = {}
-    for forward_only in (False, True):
-        kw = dict(forward_step_func=forward_step, data_iterator=iter(()), model=[model], num_microbatches=1,
-                  seq_length=1, micro_batch_size=1, forward_only=forward_only)
-        a, b, diff, best = _interleaved_diff(lambda: wrapped(**kw), lambda: plain(**kw), calls=calls, rounds=rounds)
-        out["forward_only" if forward_only else "training"] = {"wrapped_us": a * 1e6, "plain_us": b * 1e6,
-                                                                "overhead_us": diff * 1e6, "best_us": best * 1e6}
-    return out
-
-
-def test_scope_overhead_on_the_real_schedule(worker):
-    out = worker.run(scenario_scope_overhead)
-    print(json.dumps(out, indent=1))
-    for kind, r in out.items():
-        # Goal <= 50 us (replay-plugin bench megatron reports it). Timing on a shared CI machine
-        # is noisy, so this asserts on the fastest rounds (load only adds time) with room to
-        # spare: it catches a wrapper that, say, walks the model on every call, not 10 us.
-        assert r["best_us"] < 100, (kind, r)
 
 
 def test_importing_the_driver_package_imports_neither_torch_nor_megatron():

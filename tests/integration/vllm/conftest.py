@@ -7,13 +7,13 @@ value occurs three times, so ``top_k`` not divisible by 3 always cuts a tie at t
 
 At most one engine runs at a time (2 shared cores): the offline ``LLM`` lives for the session
 but is shut down before the ``vllm serve`` fixture starts its server (test_served.py sorts
-after the offline tests). Every wait has a timeout.
+after the offline tests) and before test_routes_many_experts.py runs its own engine (a model
+with more than 256 experts) in a subprocess. Every wait has a timeout.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import socket
@@ -27,12 +27,11 @@ from typing import Any, Optional
 import pytest
 
 # The top-level tests/conftest.py is shadowed by this file under the module name "conftest"
-# (pytest imports both by that name); load it under its own name and re-export its helpers so
-# that `from conftest import need` works in this directory's test modules.
-_TOP = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conftest.py")
-_spec = importlib.util.spec_from_file_location("replay_tests_conftest", _TOP)
-_top = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_top)
+# (pytest imports both by that name); it registers itself as "replay_tests_conftest" (the same
+# module object, so need() records go to its upstream report). Re-export its helpers so that
+# `from conftest import need` works in this directory's test modules.
+import replay_tests_conftest as _top
+
 need = _top.need
 run_python = _top.run_python
 plugin_installed_as_wheel = _top.plugin_installed_as_wheel

@@ -1,0 +1,151 @@
+"""envs/envs.toml and its lock files agree with compat_matrix.yaml.
+
+Every version the matrix lists as ``tested`` for an upstream is installed by an environment that
+declares that upstream (its lock file pins one of the upstream's distributions at that version),
+and every upstream an environment declares is pinned in its lock at a tested version. So CI runs
+each tested version, and scripts/envs.py's "no declared upstream without a passed test" check
+covers each of them.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+
+import pytest
+import tomllib
+import yaml
+from packaging.version import Version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENVS = os.path.join(ROOT, "envs")
+
+
+def _name(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _read_lock(path: str) -> dict[str, str]:
+    pins = {}
+    with open(path) as fh:
+        for line in fh:
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            dist, sep, version = line.partition("==")
+            assert sep, f"{path}: {line!r} is not an exact pin"
+            pins[_name(dist)] = version.strip()
+    return pins
+
+
+def _load() -> tuple[dict, dict, dict]:
+    with open(os.path.join(ENVS, "envs.toml"), "rb") as fh:
+        envs = tomllib.load(fh)
+    locks = {name: _read_lock(os.path.join(ENVS, f"{name}.lock")) for name in envs}
+    with open(os.path.join(ROOT, "compat_matrix.yaml")) as fh:
+        matrix = yaml.safe_load(fh)
+    return envs, locks, matrix
+
+
+def _pinned(upstream: dict, lock: dict[str, str]) -> list[str]:
+    """Versions at which ``lock`` pins the upstream's distributions."""
+    return [lock[_name(d)] for d in upstream["distributions"] if _name(d) in lock]
+
+
+def problems(envs: dict, locks: dict, matrix: dict) -> list[str]:
+    """Every disagreement between the environments, their locks and the matrix."""
+    out = []
+    upstreams = matrix["upstreams"]
+    for env, cfg in envs.items():
+        for up in cfg.get("upstreams", []):
+            if up not in upstreams:
+                out.append(f"env {env}: declared upstream {up!r} is not in compat_matrix.yaml")
+                continue
+            tested = [Version(v) for v in upstreams[up]["tested"]]
+            versions = _pinned(upstreams[up], locks[env])
+            if not versions:
+                out.append(
+                    f"env {env}: declares {up} but its lock pins none of {sorted(upstreams[up]['distributions'])}"
+                )
+            for v in versions:
+                if Version(v) not in tested:
+                    out.append(f"env {env}: pins {up} {v}, not a tested version {upstreams[up]['tested']}")
+    for up, spec in upstreams.items():
+        for v in spec["tested"]:
+            hosts = [
+                env
+                for env, cfg in envs.items()
+                if up in cfg.get("upstreams", []) and Version(v) in map(Version, _pinned(spec, locks[env]))
+            ]
+            if not hosts:
+                out.append(f"{up} {v} is tested (compat_matrix.yaml) but no environment declaring {up} pins it")
+    return out
+
+
+def test_environments_cover_every_tested_version():
+    found = problems(*_load())
+    assert not found, "\n".join(found)
+
+
+def _drop_upstream(env: str, up: str):
+    def mutate(envs, locks, matrix):
+        envs[env]["upstreams"].remove(up)
+
+    return mutate
+
+
+def _set_tested(up: str, versions: list[str]):
+    def mutate(envs, locks, matrix):
+        matrix["upstreams"][up]["tested"] = versions
+
+    return mutate
+
+
+def _pin(env: str, dist: str, version):
+    def mutate(envs, locks, matrix):
+        if version is None:
+            del locks[env][dist]
+        else:
+            locks[env][dist] = version
+
+    return mutate
+
+
+def _declare(env: str, up: str):
+    def mutate(envs, locks, matrix):
+        envs[env]["upstreams"].append(up)
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (_drop_upstream("main", "verl"), "verl 0.9.1 is tested"),
+        (_drop_upstream("vllm032", "vllm"), "vllm 0.32.0 is tested"),
+        (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0"]), "vllm 0.31.0 is tested"),
+        (_set_tested("megatron-core", ["0.16.1"]), "env py312: pins megatron-core 0.19.2, not a tested version"),
+        (_pin("main", "verl", "0.9.2"), "env main: pins verl 0.9.2"),
+        (_pin("py312", "skyrl", None), "env py312: declares skyrl but its lock pins none"),
+        (_declare("vllm032", "verl"), "env vllm032: declares verl but its lock pins none"),
+        (_declare("main", "nemo-rl"), "'nemo-rl' is not in compat_matrix.yaml"),
+    ],
+)
+def test_disagreements_are_reported(mutate, message):
+    """The check above is not vacuous: each kind of drift is reported."""
+    envs, locks, matrix = copy.deepcopy(_load())
+    mutate(envs, locks, matrix)
+    found = problems(envs, locks, matrix)
+    assert any(message in p for p in found), found
+
+
+def test_test_environments_and_the_lint_environment():
+    envs, locks, _ = _load()
+    for env, cfg in envs.items():
+        for path in cfg.get("tests", []):
+            assert os.path.exists(os.path.join(ROOT, path)), f"env {env}: test path {path} does not exist"
+    lint = envs["lint"]
+    assert "tests" not in lint and lint["upstreams"] == []  # scripts/envs.py test never runs it
+    assert {"ruff", "mypy", "types-pyyaml"} <= set(locks["lint"])
+    assert not {"torch", "pytest"} & set(locks["lint"])
