@@ -416,8 +416,12 @@ def _decode_tree(doc: Any, blobs: list[memoryview], dtypes: Optional[Iterable[An
             if blob is not None:
                 if len(node) == 3 and node.keys() == _ENVELOPE_KEY_SET:
                     node["data"] = blob
-                else:
-                    node["data"] = _blob_text(blob)
+                    try:
+                        return decode_array(node, dtypes=dtypes)
+                    except (TypeError, ValueError):
+                        _blob_text(blob)  # the plain parse would have failed first: its ValueError wins
+                        raise
+                node["data"] = _blob_text(blob)
         if len(node) == 3 and node.keys() == _ENVELOPE_KEY_SET:
             return decode_array(node, dtypes=dtypes)
         stack.append(node)
