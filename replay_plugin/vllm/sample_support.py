@@ -68,7 +68,6 @@ entry-point group (invisible to the replayability check), speculative decoding (
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from typing import Any, Optional
 
@@ -178,7 +177,6 @@ def _refusal(message: str, setting: Optional[str], value: Any = None) -> SampleS
     return _refusal_class(message, parameter=setting, value=value)
 
 
-_SETTING = re.compile(r"setting '?([A-Za-z_]+)'?")
 _warned: set[str] = set()
 
 
@@ -272,15 +270,15 @@ def plan_request(params: Any, vllm_config: Any) -> Optional[dict]:
             width = min(width, int(vocab))
     try:
         check_replayable(params, vllm_config, width=width)
-    except ValueError as exc:
-        match = _SETTING.search(str(exc))
+    except ValueError as exc:  # NotReplayable names the setting; anything else is refused unnamed
+        setting = getattr(exc, "setting", None)
         hint = ""
-        if match and match.group(1) in ("logprobs_mode", "max_logprobs"):
+        if setting in ("logprobs_mode", "max_logprobs"):
             hint = (f" (set {options.REQUESTS_ENV}=opt-in before the engine starts and the plugin "
                     "fits the engine)")
-        if match and match.group(1) == "max_logprobs":
+        if setting == "max_logprobs":
             hint = f" (W = top_k {top_k} + slack {slack})" + hint
-        raise _refusal(f"{where} but {exc}{hint}", match.group(1) if match else None) from None
+        raise _refusal(f"{where} but {exc}{hint}", setting) from None
     assert width is not None  # check_replayable refuses top_k <= 1
     user = params.logprobs
     native = bool(getattr(model_config, "return_sampling_mask", False))
