@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -112,6 +112,56 @@ def _padding(padding_value: Any, dtype: torch.dtype, trail: torch.Size, device: 
     return q.to(device)
 
 
+def _check_build_args(packed: Any, align: Any, cp_size: Any, cp_rank: Any) -> tuple[int, int, int]:
+    """``(align, cp_size, cp_rank)`` as ints, checked against each other and ``packed``."""
+    if not isinstance(packed, bool):
+        raise ReplayTypeError("packed", f"got {type(packed).__name__}", expected="a bool")
+    align = _check_int(align, "align", 1)
+    cp_size = _check_int(cp_size, "cp_size", 1)
+    cp_rank = _check_int(cp_rank, "cp_rank", 0)
+    if cp_rank >= cp_size:
+        raise ReplayDataError("cp_rank", f"got {cp_rank}", expected=f"< cp_size {cp_size}")
+    if cp_size > 1 and not packed:
+        raise ReplayDataError("cp_size", f"{cp_size} with an unpacked layout", expected="packed=True for context parallelism")
+    if cp_size > 1 and align % (2 * cp_size):
+        raise ReplayDataError("align", f"{align} with cp_size {cp_size}", expected=f"a multiple of 2 * cp_size = {2 * cp_size}")
+    return align, cp_size, cp_rank
+
+
+class _Slots(NamedTuple):
+    """Where the valid tokens go in the unsharded model input."""
+
+    #: int64 ``[N]``: each valid token's index in the flattened unsharded ``[rows, length]``.
+    slot: torch.Tensor
+    #: ``A`` (unpacked) or ``T`` (packed, all CP ranks together).
+    aligned_length: int
+    #: this rank's ``(rows, length)``.
+    output_shape: tuple[int, int]
+    #: packed only: padded sequence lengths int64 ``[B]``.
+    padded: Optional[torch.Tensor]
+    #: packed only: their cumulative sums int64 ``[B + 1]``, starting at 0.
+    cu: Optional[torch.Tensor]
+
+
+def _packed_slots(lengths: torch.Tensor, row: torch.Tensor, rank: torch.Tensor, align: int, cp_size: int) -> _Slots:
+    """THD slots: the sequences (``lengths`` ``[B]``) back to back, each padded to a multiple of
+    ``align``; ``row`` / ``rank`` ``[N]`` are each valid token's sequence and index in it."""
+    padded = _round_up(lengths, align)
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(padded, dim=0, out=cu[1:])
+    total = int(cu[-1])
+    slot = cu[row] + rank  # unsharded packed slot of each valid token
+    return _Slots(slot, total, (1, total // cp_size), padded, cu)
+
+
+def _unpacked_slots(lengths: torch.Tensor, row: torch.Tensor, rank: torch.Tensor, align: int) -> _Slots:
+    """``[B, A]`` slots: each row's valid tokens left-justified, ``A`` the longest row rounded
+    up to a multiple of ``align``."""
+    batch = lengths.shape[0]
+    aligned = int(_round_up(lengths.max(), align)) if batch else 0
+    return _Slots(row * aligned + rank, aligned, (batch, aligned), None, None)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
     """Where each valid token of a ``[B, S]`` batch goes in the model's input layout.
@@ -176,70 +226,45 @@ class TokenMetadataLayout:
         Raises:
             ReplayTypeError / ReplayDataError naming the bad argument.
         """
-        if not isinstance(packed, bool):
-            raise ReplayTypeError("packed", f"got {type(packed).__name__}", expected="a bool")
-        align = _check_int(align, "align", 1)
-        cp_size = _check_int(cp_size, "cp_size", 1)
-        cp_rank = _check_int(cp_rank, "cp_rank", 0)
-        if cp_rank >= cp_size:
-            raise ReplayDataError("cp_rank", f"got {cp_rank}", expected=f"< cp_size {cp_size}")
-        if cp_size > 1 and not packed:
-            raise ReplayDataError("cp_size", f"{cp_size} with an unpacked layout", expected="packed=True for context parallelism")
-        if cp_size > 1 and align % (2 * cp_size):
-            raise ReplayDataError("align", f"{align} with cp_size {cp_size}", expected=f"a multiple of 2 * cp_size = {2 * cp_size}")
-
+        align, cp_size, cp_rank = _check_build_args(packed, align, cp_size, cp_rank)
         mask = _bool_mask(attention_mask)
-        device = mask.device
-        batch, seq = mask.shape
+        seq = mask.shape[1]
         lengths = mask.sum(dim=1)  # [B] int64
         # Valid tokens in row-major order: flat source index, row, rank within the row.
         flat_src = mask.reshape(-1).nonzero().squeeze(1)  # [N]
         row = flat_src // max(seq, 1)
         rank = (mask.cumsum(dim=1) - 1).reshape(-1)[flat_src]
         lengths_list = tuple(int(v) for v in lengths.tolist())
-
         if packed:
-            padded = _round_up(lengths, align)
-            cu = torch.zeros(batch + 1, dtype=torch.int64, device=device)
-            torch.cumsum(padded, dim=0, out=cu[1:])
-            total = int(cu[-1])
-            slot = cu[row] + rank  # unsharded packed slot of each valid token
-            aligned_length = total
-            output_shape = (1, total // cp_size)
-            padded_list: Optional[tuple[int, ...]] = tuple(int(v) for v in padded.tolist())
-            cu_seqlens: Optional[torch.Tensor] = cu.to(torch.int32)
+            slots = _packed_slots(lengths, row, rank, align, cp_size)
         else:
-            aligned = int(_round_up(lengths.max(), align)) if batch else 0
-            slot = row * aligned + rank
-            aligned_length = aligned
-            output_shape = (batch, aligned)
-            padded_list = None
-            cu_seqlens = None
+            slots = _unpacked_slots(lengths, row, rank, align)
 
         has_next = rank >= 1
-        same = (flat_src, slot)
-        nxt = (flat_src[has_next], slot[has_next] - 1)
+        same = (flat_src, slots.slot)
+        nxt = (flat_src[has_next], slots.slot[has_next] - 1)
         if cp_size > 1:
-            to_local = cls._cp_local_slots(cu, padded, total, cp_size, cp_rank)
+            assert slots.cu is not None and slots.padded is not None  # cp_size > 1 requires packed
+            to_local = cls._cp_local_slots(slots.cu, slots.padded, slots.aligned_length, cp_size, cp_rank)
             same = cls._keep_local(same, to_local)
             nxt = cls._keep_local(nxt, to_local)
 
         # restore: tokens with a next token, from their unsharded slot to [row, position].
         has_target = rank < (lengths[row] - 1)
         position = flat_src - row * seq
-        restore = (slot[has_target], row[has_target] * max(seq - 1, 0) + position[has_target])
+        restore = (slots.slot[has_target], row[has_target] * max(seq - 1, 0) + position[has_target])
 
         return cls(
             attention_mask=mask,
             sequence_lengths=lengths_list,
             packed=packed,
             alignment=align,
-            aligned_sequence_length=aligned_length,
-            padded_sequence_lengths=padded_list,
-            cu_seqlens_padded=cu_seqlens,
+            aligned_sequence_length=slots.aligned_length,
+            padded_sequence_lengths=None if slots.padded is None else tuple(int(v) for v in slots.padded.tolist()),
+            cu_seqlens_padded=None if slots.cu is None else slots.cu.to(torch.int32),
             cp_size=cp_size,
             cp_rank=cp_rank,
-            output_shape=output_shape,
+            output_shape=slots.output_shape,
             _same=same,
             _next=nxt,
             _restore=restore,

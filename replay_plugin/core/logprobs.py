@@ -215,16 +215,9 @@ def full_vocab_logprobs_fixed_capacity(
             torch.zeros(prefix, dtype=torch.bool, device=device),
         )
     need = needs_full_vocab.reshape(-1).to(torch.bool)
-    traj = trajectory_ids.reshape(-1).long()
-    y = sampled_ids.reshape(-1).long()
-    positions = torch.arange(n, device=device)
-    in_range = (traj >= 0) & (traj < cap)
-    candidate = torch.where(need & in_range, positions, n)
-    first = torch.full((cap,), n, dtype=torch.long, device=device).scatter_reduce(
-        0, traj.clamp(0, cap - 1), candidate, reduce="amin", include_self=True
-    )
-    has = first < n
+    first, has = _first_flagged_rows(need, trajectory_ids.reshape(-1).long(), cap, device)
     rows = torch.where(has, first, 0)
+    y = sampled_ids.reshape(-1).long()
     if n == 0:
         picked = flat.new_zeros(cap, dim)
         y_rows = torch.zeros(cap, dtype=torch.long, device=device)
@@ -240,17 +233,45 @@ def full_vocab_logprobs_fixed_capacity(
                 expected="[V_local, H]",
             )
         logits = picked.to(lm_head_weight.dtype) @ lm_head_weight.t()
+    lp = _full_vocab_logprob(logits, y_rows, out_dtype, temperature, vocab_start, tp_group)
+    target = torch.where(has, first, n)
+    out = torch.zeros(n + 1, dtype=lp.dtype, device=device).scatter_add(0, target, torch.where(has, lp, 0.0))
+    hits = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_add(0, target, has.long())
+    return out[:n].float().reshape(prefix), (hits[:n] > 0).reshape(prefix)
+
+
+def _first_flagged_rows(
+    need: torch.Tensor, traj: torch.Tensor, cap: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per trajectory ``[cap]``: the index of its first flagged row among the ``N`` rows
+    (``need`` bool ``[N]``, ``traj`` int64 ``[N]``), ``N`` when it has none, and whether it has one."""
+    n = need.shape[0]
+    positions = torch.arange(n, device=device)
+    in_range = (traj >= 0) & (traj < cap)
+    candidate = torch.where(need & in_range, positions, n)
+    first = torch.full((cap,), n, dtype=torch.long, device=device).scatter_reduce(
+        0, traj.clamp(0, cap - 1), candidate, reduce="amin", include_self=True
+    )
+    return first, first < n
+
+
+def _full_vocab_logprob(
+    logits: torch.Tensor,
+    y_rows: torch.Tensor,
+    out_dtype: torch.dtype,
+    temperature: float,
+    vocab_start: int,
+    tp_group: Optional["torch.distributed.ProcessGroup"],
+) -> torch.Tensor:
+    """Logprob ``[R]`` (``out_dtype``) of the global ids ``y_rows`` ``[R]`` over the whole
+    (possibly TP-sharded) vocabulary, from raw logits ``[R, V_local]``."""
     v_local = logits.shape[-1]
     z = logits.to(out_dtype) / temperature
     ly = y_rows - vocab_start
     y_local = (ly >= 0) & (ly < v_local)
     y_values = z.gather(1, ly.clamp(0, max(v_local - 1, 0)).unsqueeze(1)).squeeze(1)
     y_values = torch.where(y_local, y_values, 0.0)
-    lp = _renormalise(z, None, y_values, torch.ones(cap, dtype=torch.bool, device=device), tp_group)
-    target = torch.where(has, first, n)
-    out = torch.zeros(n + 1, dtype=lp.dtype, device=device).scatter_add(0, target, torch.where(has, lp, 0.0))
-    hits = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_add(0, target, has.long())
-    return out[:n].float().reshape(prefix), (hits[:n] > 0).reshape(prefix)
+    return _renormalise(z, None, y_values, torch.ones_like(y_local), tp_group)
 
 
 class ReplayLogprobs(NamedTuple):
