@@ -284,7 +284,16 @@ def _replay_metadata(input_ids, mask, num_actions, support_ids, loss_mask, width
     tmask = torch.zeros((batch, seq), dtype=torch.bool, device=device)
     tmask[:, seq - num_actions :] = lm
     support = support.long()
+    _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, num_actions)
+    return support, tmask
 
+
+def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, num_actions) -> None:
+    """Reject, naming trajectory and response token: support ids ``[B, S, W]`` outside the
+    vocabulary, loss-bearing tokens (``tmask`` ``[B, S]``) without a predicting position, loss-
+    bearing rows that lack their token, and a second unsupported loss-bearing token in a row.
+    One host sync; rows are located only on failure."""
+    seq = input_ids.shape[1]
     supported = (support >= 0).any(dim=2)
     contains = (support == input_ids.unsqueeze(2).long()).any(dim=2)
     no_predictor = tmask & ~(predictor_of & mask)
@@ -293,34 +302,34 @@ def _replay_metadata(input_ids, mask, num_actions, support_ids, loss_mask, width
     extra = unsupported & (unsupported.cumsum(dim=1) > 1)
     outside = (support >= vocab).any(dim=2) | (support < -1).any(dim=2)
     checks = torch.stack([outside.any(), no_predictor.any(), not_member.any(), extra.any()]).tolist()
-    if any(checks):
-        first = seq - num_actions
-        if checks.pop(0):
-            b, s = (int(v) for v in outside.nonzero()[0])
-            raise ReplayDataError(
-                "support_ids", f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
-                trajectory=b, token=s - first, expected=f"ids in [0, {vocab}) and -1 padding",
-            )
-        if checks[0]:
-            b, s = (int(v) for v in no_predictor.nonzero()[0])
-            raise ReplayDataError(
-                "loss_mask", "loss-bearing token has no predicting position (it is its row's first valid token, "
-                "or a padding position)", trajectory=b, token=s - first,
-                expected="loss only on valid tokens that follow another valid token",
-            )
-        if checks[1]:
-            b, s = (int(v) for v in not_member.nonzero()[0])
-            raise ReplayDataError(
-                "support_ids", f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
-                trajectory=b, token=s - first, expected="every loss-bearing support row to contain its sampled token",
-            )
-        b = int(extra.nonzero()[0, 0])
-        tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
+    if not any(checks):
+        return
+    first = seq - num_actions
+    if checks.pop(0):
+        b, s = (int(v) for v in outside.nonzero()[0])
         raise ReplayDataError(
-            "support_ids", f"response tokens {tokens} are loss-bearing without a support row", trajectory=b,
-            token=tokens[0], expected="support for every loss-bearing token but one synthetic EOS per trajectory",
+            "support_ids", f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
+            trajectory=b, token=s - first, expected=f"ids in [0, {vocab}) and -1 padding",
         )
-    return support, tmask
+    if checks[0]:
+        b, s = (int(v) for v in no_predictor.nonzero()[0])
+        raise ReplayDataError(
+            "loss_mask", "loss-bearing token has no predicting position (it is its row's first valid token, "
+            "or a padding position)", trajectory=b, token=s - first,
+            expected="loss only on valid tokens that follow another valid token",
+        )
+    if checks[1]:
+        b, s = (int(v) for v in not_member.nonzero()[0])
+        raise ReplayDataError(
+            "support_ids", f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
+            trajectory=b, token=s - first, expected="every loss-bearing support row to contain its sampled token",
+        )
+    b = int(extra.nonzero()[0, 0])
+    tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
+    raise ReplayDataError(
+        "support_ids", f"response tokens {tokens} are loss-bearing without a support row", trajectory=b,
+        token=tokens[0], expected="support for every loss-bearing token but one synthetic EOS per trajectory",
+    )
 
 
 # --------------------------------------------------------------------------- scoring

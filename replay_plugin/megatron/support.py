@@ -258,25 +258,10 @@ def replay_response_logprobs(
     if support_ids is None:
         values = _megatron_logprobs(source, sampled, output_weight, temperature)
     else:
-        support = _grid(support_ids, "support_ids", (batch, seq), device, integer=True, trailing=1)
-        if support.shape[2] < 1 or (width is not None and support.shape[2] != width):
-            raise ReplayDataError(
-                "support_ids", f"width {support.shape[2]}",
-                expected=f"width {width} (the configured support width)" if width is not None else "width >= 1",
-            )
-        mask = _loss_grid(loss_mask, (batch, seq), device)
-        _check_targets(attention, mask, support)
-        trajectory = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
-        v_local = source.shape[-1] if output_weight is None else output_weight.shape[0]
-        values = core.replay_logprobs(
-            source, sampled,
-            layout.align(support, -1, next_token=True),
-            layout.align(mask, False, next_token=True),
-            layout.align(trajectory, -1, next_token=True),
-            batch,
-            lm_head_weight=output_weight, temperature=temperature,
-            vocab_start=_vocab_start(v_local, tp_rank, tp_size), tp_group=tp_group, chunk_size=chunk_size,
-        ).logprobs
+        values = _support_logprobs_of_slots(
+            source, sampled, layout, support_ids, loss_mask, output_weight, temperature, width, chunk_size,
+            (tp_group, tp_size, tp_rank),
+        )
     if cp_size > 1:
         values = layout.unshard(list(_GatherShards.apply(values, cp_group, cp_rank, cp_size).unbind(0)))
     out = layout.restore(values, 0.0)  # [B, S - 1]
@@ -289,6 +274,47 @@ def replay_response_logprobs(
 
 # ---------------------------------------------------------------------------------------
 # pieces
+
+
+def _support_logprobs_of_slots(
+    source: torch.Tensor,
+    sampled: torch.Tensor,
+    layout: TokenMetadataLayout,
+    support_ids: TensorLike,
+    loss_mask: Optional[TensorLike],
+    output_weight: Optional[torch.Tensor],
+    temperature: float,
+    width: Optional[int],
+    chunk_size: int,
+    tp: tuple[Any, int, int],
+) -> torch.Tensor:
+    """Replay on: float32 ``[rows, length]`` logprobs of this rank's slots, from the checked
+    support ``[B, S, W]`` and loss mask of the batch grid moved to the slots that predict them;
+    ``sampled`` ``[rows, length]`` is the token each slot predicts, ``tp`` the tensor-parallel
+    ``(group, size, rank)``."""
+    tp_group, tp_size, tp_rank = tp
+    attention = layout.attention_mask
+    device = attention.device
+    batch, seq = attention.shape
+    support = _grid(support_ids, "support_ids", (batch, seq), device, integer=True, trailing=1)
+    if support.shape[2] < 1 or (width is not None and support.shape[2] != width):
+        raise ReplayDataError(
+            "support_ids", f"width {support.shape[2]}",
+            expected=f"width {width} (the configured support width)" if width is not None else "width >= 1",
+        )
+    mask = _loss_grid(loss_mask, (batch, seq), device)
+    _check_targets(attention, mask, support)
+    trajectory = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
+    v_local = source.shape[-1] if output_weight is None else output_weight.shape[0]
+    return core.replay_logprobs(
+        source, sampled,
+        layout.align(support, -1, next_token=True),
+        layout.align(mask, False, next_token=True),
+        layout.align(trajectory, -1, next_token=True),
+        batch,
+        lm_head_weight=output_weight, temperature=temperature,
+        vocab_start=_vocab_start(v_local, tp_rank, tp_size), tp_group=tp_group, chunk_size=chunk_size,
+    ).logprobs
 
 
 def _megatron_logprobs(source: torch.Tensor, sampled: torch.Tensor, weight: Optional[torch.Tensor],
