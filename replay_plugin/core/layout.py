@@ -1,32 +1,11 @@
 """Token metadata layout: from a padded ``[batch, seq]`` batch to the model's input layout.
 
-Per-token metadata (routes ``[B, S, L, K]``, router padding masks ``[B, S]``, support rows
-``[B, S, W]``, sampled ids ``[B, S]``...) arrives in the trainer's padded batch grid, usually
-left-padded. The model consumes tokens in one of these layouts:
-
-* **unpacked**: ``[B, A]``, row ``i`` holds its valid tokens left-justified, then padding;
-  ``A = round_up(max_i len_i, align)``.
-* **packed** (THD): ``[1, T]``, sequences back to back, each padded to
-  ``P_i = round_up(len_i, align)``; ``T = sum_i P_i``; ``cu_seqlens_padded = [0, P_0,
-  P_0 + P_1, ...]``.
-* **packed + context parallel** (``cp_size = c > 1``): each padded sequence is cut into
-  ``2c`` equal chunks and rank ``r`` keeps chunks ``r`` and ``2c-1-r`` (Megatron's
-  load-balanced order), sequences back to back: ``[1, T / c]`` per rank.
-* **next token**: slot ``j`` of a sequence holds the metadata of its token ``j + 1`` and the
-  sequence's last token slot is padding, for metadata that belongs to the *target* of the
-  logits at a position (sampled ids, support rows). The shift happens before the CP cut.
-
-:meth:`TokenMetadataLayout.restore` maps per-slot outputs (e.g. logprobs, where slot ``j``
-scores token ``j + 1``) back to ``[B, S - 1]`` at the position of the token that predicts.
-
-All index arithmetic happens once in :meth:`TokenMetadataLayout.build`; ``align`` and
-``restore`` are one gather and one scatter each, on the mask's device, for any trailing
-shape and dtype (no Python loop over tokens or sequences).
-
-Example (align 4, attention ``[[0,1,1,1],[0,0,1,1]]``, packed): tokens ``a b c`` and
-``d e`` become slots ``[a b c _ d e _ _]``, ``cu_seqlens_padded = [0, 4, 8]``; with
-``next_token`` the slots hold ``[b c _ _ e _ _ _]``; restoring slot values ``1..8`` gives
-``[[_, 1, 2], [_, _, 5]]``.
+Per-token metadata (routes, router padding masks, support rows, sampled ids) arrives in the
+trainer's padded ``[B, S]`` grid; the model consumes tokens unpacked ``[B, A]``, packed (THD)
+``[1, T]``, or packed and cut for context parallelism ``[1, T / cp]`` (Megatron's load-balanced
+chunk order), optionally shifted to the *next* token (metadata of a logit's target).
+:meth:`TokenMetadataLayout.build` computes the index maps once; ``align`` and ``restore`` are
+then one gather / one scatter on the mask's device, for any trailing shape and dtype.
 """
 
 from __future__ import annotations

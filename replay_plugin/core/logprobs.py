@@ -1,37 +1,15 @@
 """Support-renormalised logprobs for sampler-support replay.
 
-For a token ``y`` drawn from the support ``S`` recorded at rollout, the trainer scores
-
-    logp(y) = z_y / T - logsumexp_{s in S} z_s / T
-
-where ``z`` are the model's logits and ``T`` the sampling temperature. Three entry points:
-
-- ``support_logprobs``: from logits ``[..., V_local]``.
-- ``support_logprobs_from_hidden``: from hidden states ``[..., H]`` and the LM-head weight
-  ``[V_local, H]``, projecting only the (token, candidate) pairs, never ``[tokens, vocab]``.
-- ``full_vocab_logprobs_fixed_capacity``: the ordinary full-vocabulary logprob for rows that
-  have no support (a synthetic EOS appended after the engine returned), computed for a fixed
-  number of rows so that collectives never depend on the data.
-
-``replay_logprobs`` combines them the way a trainer backend needs it.
-
-Conventions: support ids are global vocabulary ids, ``-1`` (any negative) is padding; a row
-with no member is *invalid* (logprob 0, ``valid`` False). bf16/fp16 inputs are computed in
-float32, float64 inputs in float64; outputs are float32. Ids must lie in the global vocabulary
-(validated on the host by ``replay_plugin.core.support.dense_support_batch``). The math
-functions never sync to check them: an id outside every shard is not a member, and a row with
-no member inside the vocabulary gives ``+inf``; ``replay_logprobs`` reports such rows.
-
-Tensor parallelism: with ``tp_group`` the vocabulary is sharded; this rank holds ids
-``[vocab_start, vocab_start + V_local)`` (logits ``[..., V_local]`` or weight rows
-``[V_local, H]``). Every call makes a fixed number of ``torch.distributed.all_reduce`` calls
-when the group has more than one rank, whatever the data: ``support_logprobs`` and
-``support_logprobs_from_hidden`` 2 (MAX, SUM), ``full_vocab_logprobs_fixed_capacity`` 2 when its
-capacity is positive, ``replay_logprobs`` 4. Values and the gradients of the local shard equal
-the unsharded computation. Like a column-parallel LM head, the hidden-state gradient returned on
-each rank is that rank's partial sum over its vocabulary shard: feed ``hidden`` through
-Megatron's ``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather), exactly as
-``ColumnParallelLinear`` does, so the partial sums are all-reduced in backward.
+For a token ``y`` drawn from the recorded support ``S`` the trainer scores
+``logp(y) = z_y / T - logsumexp_{s in S} z_s / T`` (``z`` the logits, ``T`` the temperature):
+from logits (``support_logprobs``), from hidden states and the LM-head weight without forming
+``[tokens, vocab]`` (``support_logprobs_from_hidden``), the full-vocabulary logprob of rows
+without support for a fixed number of rows (``full_vocab_logprobs_fixed_capacity``), and all
+of them combined for a trainer backend (``replay_logprobs``). Support ids are global, ``-1``
+pads; outputs are float32. With ``tp_group`` the vocabulary is sharded, every call makes a
+fixed number of all-reduces whatever the data, and the hidden-state gradient is this rank's
+partial sum: feed ``hidden`` through ``copy_to_tensor_model_parallel_region`` as
+``ColumnParallelLinear`` does.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Routed experts (R3): compact per-trajectory arrays, batch padding, per-stage replay data.
 
-Shapes and names used throughout:
-
-* ``T`` tokens of one trajectory, ``B`` batch rows, ``S`` padded sequence length,
-  ``L`` MoE layers of the whole model, ``L_local`` layers of one pipeline stage,
-  ``K`` experts per token (top-k).
-* Per trajectory the engine returns ``[T_captured, L, K]`` expert ids. ``T_captured`` (the
-  array's length) is the captured prefix: rows exist for the first ``T_captured`` valid
-  tokens and for nothing after them.
-* Routes stay in their compact dtype (uint8 if every id < 2**8, else int16 if < 2**15,
-  else int32) through transport, batching and device moves. Only the pipeline-stage-local
-  layers are ever widened to int32, at the very end (:func:`local_replay_data`).
-* A *padding row* is ``[0, 1, ..., K-1]`` in every layer: K distinct dummy experts, which
-  keeps Megatron's dropless invariant (every token routes to exactly K distinct experts)
-  without touching the token dispatcher. Every padding row is marked True in the router
-  padding mask.
-
-The router padding mask contract (``[B, S]`` bool, True = no captured route): the row in
-the routes tensor at a True position is a placeholder. The trainer must not treat it as a
-replayed route; for tokens no loss-bearing target depends on (alignment padding, the
-uncaptured suffix) the placeholder is harmless, and for a declared synthetic EOS source
-(see :class:`replay_plugin.core.trace.RoutedExpertTrace`) the trainer's own router must
-route the token. Padding positions are also excluded from router statistics (aux loss,
-expert-bias token counts).
-
-numpy only at import; torch is imported inside the functions that return tensors.
+Per trajectory the engine returns ``[T_captured, L, K]`` expert ids for its first
+``T_captured`` valid tokens. Routes stay in a compact dtype (uint8 / int16 / int32, the
+narrowest that holds every id); only a pipeline stage's own layers are widened to int32, at the
+very end (:func:`local_replay_data`). A padding row is the dummy route ``[0..K-1]`` (K distinct
+experts keep Megatron's dropless invariant), marked True in the router padding mask ``[B, S]``:
+it is a placeholder, never a replayed route. numpy only at import; torch inside the functions
+that return tensors.
 """
 
 from __future__ import annotations

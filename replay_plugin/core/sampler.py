@@ -1,19 +1,10 @@
-"""Which sampler settings sampler-support replay can reproduce.
+"""Which sampler settings sampler-support replay can reproduce: :func:`check_replayable`.
 
-The trainer reproduces ``softmax(z / T)`` restricted to the recorded support. So the engine
-may *mask* tokens in any way (top-k, top-p, min-p, allowed ids, bad words, grammars, min
-tokens): the recorded support already carries the mask. It must not *change the values* of the
-surviving logits in a way the trainer does not redo (penalties, logit bias, custom logits
-processors), and the captured support must be the sampler's real one (processed logprobs, no
-speculative decoding whose acceptance step is not the captured sampler).
-
-Duck-typed: ``params`` is a vLLM ``SamplingParams`` or a mapping with its field names (a
-missing key takes vLLM's default); ``engine`` an object or mapping with ``logprobs_mode``,
-``max_logprobs``, ``speculative_config`` and ``logits_processors`` either on itself or on its
-``model_config`` / ``vllm_config`` (vLLM's ``EngineArgs``, ``ModelConfig``, ``VllmConfig`` or an
-``LLM``'s ``llm_engine``). Not visible here: defaults the engine later merges in from the
-model's ``generation_config`` (check the resolved parameters) and logits processors installed
-through the ``vllm.logits_processors`` entry-point group.
+The trainer reproduces ``softmax(z / T)`` restricted to the recorded support, so the engine may
+*mask* tokens in any way (top-k, top-p, min-p, allowed ids, bad words, grammars) but must not
+change the values of the surviving logits (penalties, logit bias, logits processors), and the
+captured rows must be the sampler's real support (processed logprobs, no speculative decoding).
+Duck-typed: imports no vLLM.
 """
 
 from __future__ import annotations
@@ -42,8 +33,14 @@ def check_replayable(params: Any, engine: Any = None, *, width: Optional[int] = 
     """Return None when support replay can reproduce these settings, else raise ``NotReplayable``.
 
     Args:
-        params: vLLM ``SamplingParams`` or a mapping of its fields.
-        engine: optional engine configuration (see the module docstring).
+        params: vLLM ``SamplingParams`` or a mapping of its fields (a missing key takes
+            vLLM's default).
+        engine: optional engine configuration: an object or mapping with ``logprobs_mode``,
+            ``max_logprobs``, ``speculative_config`` and ``logits_processors`` on itself or on
+            its ``model_config`` / ``vllm_config`` / ``llm_engine`` (vLLM's ``EngineArgs``,
+            ``ModelConfig``, ``VllmConfig`` or an ``LLM``). Not visible here: defaults merged
+            later from the model's ``generation_config`` (check the resolved parameters) and
+            logits processors installed through the ``vllm.logits_processors`` entry points.
         width: the support row width ``W`` that will be recorded (default: ``top_k``).
 
     Refused (``NotReplayable``, a ``ValueError``, with the setting in its message and in

@@ -1,24 +1,11 @@
 """Sampler-support rows: capture from vLLM outputs and the dense trainer batch.
 
-A *support row* lists, for one generated token, the token ids the engine's sampler could have
-drawn after temperature, top-k, top-p and min-p (and any pure masks: allowed ids, bad words,
-grammars). The trainer renormalises the sampled token's logprob over exactly that set
-(``replay_plugin.core.logprobs``). Rows have a fixed width ``W``: int32 ids, most probable
-first where the probabilities are known, ``-1`` only as trailing padding, no duplicates.
-
-Two capture sources, both duck-typed (this module imports no vLLM):
-
-- ``support_from_flat_logprobs``: vLLM's ``FlatLogprobs`` (``SamplingParams.flat_logprobs``,
-  vLLM >= 0.12) requested with ``logprobs=N`` under ``logprobs_mode="processed_logprobs"``. Entry 0
-  of each position is the sampled token, entries ``1..N`` the top-N by processed logprob
-  (descending; the sampled id may repeat there; ``-inf`` for tokens the sampler masked). The
-  recorded row can be narrower than the real support (ties at the k-th logit, an approximate
-  top-k/top-p pivot, ``N < top_k``): such rows are kept as seen and flagged inexact.
-- ``support_from_sampling_mask``: vLLM's native ``SamplingMask`` (vLLM >= 0.28, model runner V2),
-  which lists exactly the surviving ids of each position.
-
-``dense_support_batch`` turns per-trajectory rows into the ``[batch, seq, W]`` trainer tensor,
-validates them, and applies the ``on_inexact`` policy.
+A *support row* lists, for one generated token, the ids the engine's sampler could have drawn
+(after temperature, top-k/top-p/min-p and any masks); the trainer renormalises the sampled
+token's logprob over exactly that set (``replay_plugin.core.logprobs``). Rows are int32
+``[T, W]``, most probable first where known, ``-1`` only as trailing padding, no duplicates.
+``support_from_flat_logprobs`` and ``support_from_sampling_mask`` read vLLM's outputs (duck-typed,
+no vLLM import); ``dense_support_batch`` builds the validated ``[B, S, W]`` trainer tensor.
 """
 
 from __future__ import annotations

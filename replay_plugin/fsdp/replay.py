@@ -1,28 +1,12 @@
 """Sampler-support replay for FSDP trainers (HF models, remove-padding, Ulysses SP).
 
-An FSDP trainer scores the response tokens of a padded ``[B, S]`` batch (prompt left-padded,
-response in the last ``num_actions`` columns) with a Hugging Face model, in one of two layouts:
-
-* **padded**: the model sees ``[B, S]``; position ``(b, s)`` predicts token ``(b, s + 1)``;
-* **remove-padding** (``indices`` from ``unpad_input``): the model sees the valid tokens packed
-  as ``[1, nnz]`` in row-major order; a position predicts the next valid token of its row.
-
-With Ulysses sequence parallelism (``sp_group``) dim 1 of that layout is padded to a multiple of
-the SP size and each rank holds one contiguous slice, the partition of verl's and skyrl's
-``ulysses_pad_and_slice_inputs``; every rank of an SP group holds the same batch.
-
-:func:`response_logprobs` replaces the trainer's ``logprobs_from_logits`` + gather + unpad +
-``pad_input`` + response slice. It puts the sampled ids, support rows, loss mask and trajectory
-ids on the target side of every local position (next-token shift, padding removal, SP slice in
-one index), scores each local position over its recorded support (``replay_plugin.core.logprobs``),
-gathers the SP slices and returns ``[B, num_actions]``. Loss-bearing tokens without a support row
-(a synthetic EOS appended after the engine returned) get the ordinary full-vocabulary logprob,
-computed for exactly ``B`` rows on every rank whatever the data. With ``replay=False`` it is the
-ordinary full-vocabulary path (the trainer's own numbers).
-
-Collectives: one all-gather over ``sp_group`` per call (none without SP), in both modes, for any
-data. Every check that can reject data runs before it on metadata all SP ranks share, or after it
-on gathered values, so ranks raise together instead of leaving a peer in the collective.
+:func:`response_logprobs` replaces a trainer's ``logprobs_from_logits`` + gather + unpad +
+``pad_input`` + response slice: it moves sampled ids, support rows and loss mask to the
+positions that predict them (padded or remove-padding layout, Ulysses SP slice), scores each
+over its recorded support (``replay_plugin.core.logprobs``), gives a synthetic EOS its
+full-vocabulary logprob, and returns ``[B, num_actions]``. With ``replay=False`` it is the
+ordinary full-vocabulary path. One all-gather over ``sp_group`` per call whatever the data;
+every check that can reject data runs where all SP ranks reject together.
 """
 
 from __future__ import annotations

@@ -1,57 +1,14 @@
-"""Routed-expert replay (R3) for Megatron trainers: one call per microbatch in ``forward_step``.
+"""Routed-expert replay (R3) for Megatron trainers: :func:`replay_routes`, once per microbatch.
 
-:func:`replay_routes` takes the batch's recorded routes ``[B, S, L, K]`` (compact dtype, from
-:func:`replay_plugin.core.routes.pad_batch`), the router padding mask ``[B, S]`` (True = no
-recorded route) and the microbatch's :class:`~replay_plugin.core.layout.TokenMetadataLayout`,
-and installs replay data on the routers of the model chunk being run:
-
-1. The routers are found by walking the model chunk (``TopKRouter`` modules with a
-   ``RouterReplay``), each keyed by its own global layer number (``TransformerLayer`` gives it
-   the 1-based number including the pipeline / virtual-pipeline offset). Not by position in
-   ``RouterReplay.global_router_replay_instances``: that list holds every router ever built in
-   the process (a reference model, a rebuilt decoder) and all virtual-pipeline chunks, so
-   upstream's ``RouterReplay.set_replay_data`` raises or misroutes as soon as there are two.
-   MTP routers (numbered from 1 per depth, colliding with decoder layers) are not replayed;
-   they route themselves.
-2. Only this stage's layers are selected, still compact, then moved to the layout's device,
-   aligned to the model's input layout (unpacked / packed / context-parallel shard; padding
-   rows are the dummy route ``[0..K-1]``), sliced for sequence parallelism, put in the routers'
-   token order and converted to int32: only the local slice is ever int32.
-3. Each router gets its data through ``RouterReplay.set_target_indices`` (forward target plus
-   backward FIFO entry) and the ``REPLAY_FORWARD`` action. A forward hook on the model chunk
-   switches those routers to ``REPLAY_BACKWARD`` when the forward returns, so activation
-   recompute in the backward pass pops the same data, also with 1F1B pipelining (each router's
-   FIFO only holds the microbatches that ran through its chunk, in forward order, which is the
-   backward order).
-4. Rows marked in the router padding mask are routed by the trainer's own router when the
-   ``megatron.replay_padding_fallback`` patch is applied (the synthetic-EOS contract of
-   :mod:`replay_plugin.core.routes`); without it they replay the dummy route.
-
-The returned :class:`MicrobatchReplay` carries the ``padding_mask`` to pass to the model (it
-keeps padding out of the aux loss and the expert-bias counts): ``[B, A]`` / ``[1, T / cp]``,
-already scattered for sequence parallelism where the model will not scatter it itself (every
-pipeline stage but a ``GPTModel``'s first).
-
-State is cleared after every schedule by the ``megatron.router_replay_scope`` patch; outside
-schedules use :func:`clear_routes`.
-
-Usage, in a trainer's ``forward_step`` (unpacked; for packed/THD batches build the layout with
-``packed=True, align=tp * cp * 2 if cp > 1 else tp, cp_size=cp, cp_rank=cp_rank`` and pass
-``PackedSeqParams`` from ``layout.cu_seqlens_padded``)::
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)  # input_ids, attention_mask [B, S]; routes, router_padding_mask from pad_batch
-        layout = TokenMetadataLayout.build(mb["attention_mask"], packed=False, align=tp_size)
-        replay = replay_routes(model, mb["routes"], mb["router_padding_mask"], layout)
-        input_ids = layout.align(mb["input_ids"], pad_token_id)  # [B, A]
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        output = model(input_ids, position_ids, None, padding_mask=replay.padding_mask)
-        return output, loss_func
-
-Refused up front (:class:`ReplayConfigError`), because replay would silently do nothing:
-``moe_router_fusion=True`` (the fused top-k returns before ``RouterReplay`` is consulted),
-``sinkhorn`` / ``quantile_balancing`` routing (they never call it), routers without a layer
-number; and a model whose routers were built with ``moe_enable_routing_replay=False``.
+Called in ``forward_step`` before the model's forward, it installs the batch's recorded routes
+``[B, S, L, K]`` on the routers of the model chunk being run: each router keyed by its own
+global layer number (upstream's ``RouterReplay.set_replay_data`` indexes a process-global list
+and misroutes as soon as there are two models or virtual-pipeline chunks), only this stage's
+layers, aligned to the model's input layout and sequence-parallel shard, switched to
+``REPLAY_BACKWARD`` when the chunk's forward returns. Pass the returned ``padding_mask`` to the
+model. Configurations where replay would silently do nothing are refused
+(:class:`ReplayConfigError`). The ``megatron.router_replay_scope`` patch clears the state after
+each schedule; outside schedules call :func:`clear_routes`.
 """
 
 from __future__ import annotations
