@@ -1,12 +1,9 @@
 """Peak resident-set memory of one step, for the benchmarks (torch tensors included, which
 ``tracemalloc`` cannot see).
 
-A measurement runs in a fresh subprocess of this interpreter (:func:`run_module_measure`) with
-glibc told to serve every block of 64 KiB or more by its own mapping (``MALLOC_MMAP_THRESHOLD_``,
-which also stops glibc from raising it dynamically): memory freed after the warm-up leaves the
-resident set instead of hiding the measured step's allocations in a reused heap. Inside, the
-kernel's high-water mark is reset (``/proc/self/clear_refs`` = 5) and the figure is
-``VmHWM - VmRSS`` over one step (:func:`peak_delta`).
+Each measurement runs in a fresh subprocess (:func:`run_module_measure`) with glibc serving
+blocks of 64 KiB or more by their own mappings, so freed memory leaves the resident set; the
+figure is ``VmHWM - VmRSS`` over one step after resetting the high-water mark (:func:`peak_delta`).
 """
 
 from __future__ import annotations

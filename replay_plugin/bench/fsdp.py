@@ -1,24 +1,11 @@
 """``replay-plugin bench fsdp``: the FSDP replay path against the plain full-vocabulary path.
 
-One training step of a Hugging Face Qwen3-MoE model (random weights, built in memory; no
-checkpoint or tokenizer needed) on one remove-padding microbatch, in one process, float32:
-model forward, response logprobs, weighted sum, backward. Three logprob functions on the same
-model and batch:
-
-- ``plain``: ``response_logprobs(..., replay=False)``, the ordinary full-vocabulary path
-  (``logit_y - logsumexp(logits)`` over every position, in row chunks, as verl's CPU path);
-- ``replay_logits``: ``response_logprobs`` on the model's logits, renormalised over the support;
-- ``replay_hidden``: ``response_logprobs`` on the final hidden states with the LM-head weight
-  (``model.model(...)`` instead of ``model(...)``): logits are never formed.
-
-Time: best of ``repeats`` steps after a warm-up, the methods interleaved round by round so that
-load from neighbours on a shared machine hits them alike. Peak memory: each method in a fresh
-subprocess of this interpreter: build model and batch, one warm-up step, free the gradients,
-reset the kernel's resident-set high-water mark (``/proc/self/clear_refs`` = 5), one step,
-``VmHWM - VmRSS`` before it; glibc serves every block of 64 KiB or more by its own mapping
-(``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves the resident set and each step's
-allocations show. The step's extra memory over ``plain`` is compared with a bound that grows
-with the support width, not the vocabulary: ``N * (W + 1) * 64`` bytes (N scored positions).
+One training step (forward, response logprobs, backward) of a random-weight Hugging Face
+Qwen3-MoE model on a remove-padding microbatch, float32, with three logprob functions:
+``plain`` (``replay=False``), ``replay_logits`` and ``replay_hidden`` (hidden states and the
+LM-head weight: logits never formed). Time is the best of interleaved steps; peak memory is
+measured per method in a fresh subprocess (``bench._memory``) and compared with a bound that
+grows with the support width, not the vocabulary.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """``replay-plugin bench logprobs``: support-renormalised logprobs and support capture.
 
-Measured, forward + backward in one process (float32, CPU threads as torch defaults):
-
-- ``support_logprobs_from_hidden`` against the full-vocabulary path a trainer runs today
-  (``hidden @ W.T``, ``log_softmax``, gather) and against the peer, skyrl 0.4.0's fused
-  support path (``sample_support_scores`` with ``lm_head_weight``, at its best chunk size of
-  those tried) when skyrl is importable in this interpreter; on random supports (unique ids per
-  row) and on Zipf-distributed ones (overlapping across tokens, as real top-k supports do).
-- ``support_logprobs`` from logits against ``log_softmax`` + gather.
-- ``support_from_flat_logprobs`` at top_k 20 over 65,536 tokens, from numpy arrays and from
-  Python lists.
-
-Time: best of ``repeats`` runs after one warm-up, all methods in this process; the plugin and
-the peer run interleaved (one round = each once) so that load from neighbours on a shared
-machine hits them alike, and the full path (about 10 s a step) runs once after its warm-up.
-The minimum is the least disturbed run.
-
-Peak memory: each method runs once in a fresh subprocess of this interpreter. It builds the
-inputs, resets the kernel's resident-set high-water mark (``/proc/self/clear_refs`` = 5),
-runs forward + backward and reports ``VmHWM - VmRSS`` before the run: the extra resident memory
-of the step, gradients included. One warm-up step runs first (library initialisation), and glibc
-is told to serve every block of 64 KiB or more by its own mapping (``MALLOC_MMAP_THRESHOLD_``),
-so freed memory goes back to the OS and every allocation of the measured step shows in the
-resident set: this sees torch tensors, which ``tracemalloc`` cannot. Where ``clear_refs`` is not writable the high-water mark
-includes input construction, and the note says so.
+Forward + backward, float32, in one process: ``support_logprobs_from_hidden`` against the
+full-vocabulary path and against skyrl 0.4.0's fused support path (when importable), on random
+and Zipf-distributed supports; ``support_logprobs`` against ``log_softmax`` + gather; and
+``support_from_flat_logprobs`` at top_k 20 from numpy arrays and Python lists. Time is the best
+of interleaved runs after a warm-up; peak memory is measured per method in a fresh subprocess
+(``bench._memory``).
 """
 
 from __future__ import annotations

@@ -1,55 +1,12 @@
 """``replay-plugin bench megatron``: what the Megatron side of replay costs.
 
-1. **Scope wrapper overhead per schedule** (goal <= 50 microseconds): the
-   ``megatron.router_replay_scope`` wrapper, exactly as the patch installs it (a
-   ``PluginWrapper`` around the schedule function), against the unwrapped function, with 48
-   ``RouterReplay`` instances in the registry (a 48-layer MoE model). Three cases: a training
-   schedule; a forward-only schedule that writes no counts (a logprob pass under ``no_grad``:
-   the wrapper snapshots 48 routers' expert-bias counts and restores nothing); and one that
-   writes every router's counts (grad enabled: the wrapper restores them). Rounds alternate
-   wrapped / unwrapped and the figure is the median of per-round differences.
-
-   The wrapped function is a no-op with the schedules' keyword-only signature: megatron-core's
-   schedules allocate a CUDA tensor unconditionally, so they cannot run on a CPU-only machine
-   without shims, and the plugin carries none outside ``replay_plugin/demo`` by design. The
-   wrapper never looks inside the schedule, so the difference is the same quantity; the
-   Megatron tests time it around the real ``forward_backward_no_pipelining`` with their
-   test-only CPU shims.
-
-2. **int32 route bytes per rank with PP=2**: two gloo processes (CPU) each build their stage
-   of a 4-layer MoE ``GPTModel`` and call :func:`replay_plugin.megatron.replay_routes` on
-   ``[B, S, 4, K]`` uint8 routes. Every int32 tensor any torch op allocates during the call is
-   counted (:func:`int32_bytes_during`, a ``TorchDispatchMode``), against the bytes of
-   converting the global routes to int32 (what a driver that widens first materialises). Goal:
-   each rank materialises exactly its share (2 of 4 layers), i.e. the ratio is 0.5.
-
-3. **Support-renormalised response logprobs vs Megatron's own full-vocabulary path, TP=2**:
-   two gloo processes (CPU) build the same tiny dense ``GPTModel`` (vocabulary 32,768, 16,384
-   per rank) and score one batch (4 x 512 tokens, the last half of each row a response with
-   width-32 supports, one synthetic EOS) forward + backward, gradients reaching the output
-   layer's input and weight:
-
-   - ``megatron``: the model's output layer (``ColumnParallelLinear``) then
-     ``vocab_parallel_cross_entropy`` on the vocab-parallel logits, i.e. what a Megatron trainer
-     computes today;
-   - ``helper_logits``: the same output layer, then
-     :func:`replay_plugin.megatron.replay_response_logprobs` with the support batch;
-   - ``helper_fused``: ``replay_response_logprobs`` on the output layer's input and weight
-     (no ``[tokens, V/tp]`` logits);
-   - ``helper_off``: ``replay_response_logprobs`` without support (Megatron's path inside the
-     helper: the cost of its layout handling).
-
-   The output layer's input is the model's embedding output through its final layer norm: the
-   decoder layers need CUDA shims on CPU that the plugin does not carry, and they cost the same
-   whichever logprob follows. From logits the helper's peak exceeds Megatron's by about one
-   ``[tokens, V/tp]`` float32 buffer: autograd's gradient of the support gather is a dense
-   zero-filled tensor, while ``vocab_parallel_cross_entropy`` reuses its softmax buffer as the
-   gradient; the fused path has no such buffer.
-
-   Time: best of a few interleaved steps after a warm-up (the slower rank's figure). Peak
-   memory: ``VmHWM - VmRSS`` around one step on each rank (the larger), with glibc serving
-   blocks of 64 KiB or more by their own mappings so that freed memory leaves the resident set
-   (as in ``bench logprobs``).
+1. The ``megatron.router_replay_scope`` wrapper's overhead per schedule with 48 routers (goal
+   <= 50 microseconds), around a no-op with the schedules' signature (the real schedules need
+   CUDA or CPU shims the plugin does not carry).
+2. int32 route bytes per rank of ``replay_routes`` with PP=2 (two gloo processes) against
+   widening the global routes first (goal: ratio 0.5).
+3. ``replay_response_logprobs`` (from logits, fused, replay off) against Megatron's
+   ``vocab_parallel_cross_entropy``, TP=2, forward + backward: time and peak memory per rank.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """``replay-plugin bench vllm``: the cost of exact sampler-support capture in a real vLLM engine.
 
-One ``vllm.LLM`` (float32, CPU when that is all there is) on the tie model of the tests (the
-tiny local Qwen3-MoE with its whole vocabulary tied in runs of three ids, so ``top_k=20`` cuts
-a tie at the k-th logit on every token), in this process, job opted in
-(``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in``, so the engine runs processed logprobs).
-The same prompts and seeds are generated, alternately, in two ways:
-
-* *capture*: ``extra_args={"replay_sample_support": True}``, no user logprobs (the plugin asks
-  ``top_k + 16`` processed logprobs internally and returns ``SupportRows``);
-* *seeds' baseline*: stock ``logprobs=top_k, flat_logprobs=True`` without the plugin's capture,
-  which is what the seeds requested to build their (inexact) rows;
-* *plain*, for reference: no logprobs, no capture (what generation costs without any replay).
-
-Figures: generated tokens per second of each (median over rounds), the median per-round ratios
-capture / baseline (goal >= 0.95) and capture / plain (no goal: the whole cost of capture), the
-share of captured rows flagged inexact at the default slack (goal 0), and the share of baseline
-rows whose top-k entries miss the sampled token (what the seeds had to repair).
+One ``vllm.LLM`` on the tests' tie model (ties at the k-th logit on every token), job opted in.
+The same prompts and seeds are generated, alternately, with capture (``replay_sample_support``),
+with stock ``logprobs=top_k, flat_logprobs=True`` (the top-k rows an earlier implementation
+built its inexact supports from) and with neither. Figures: tokens per second of each, the
+ratios capture / top-k (goal >= 0.95) and capture / plain, the share of captured rows flagged
+inexact (goal 0) and the share of top-k rows that miss the sampled token.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """``replay-plugin bench wire``: the route wire format against JSON lists and skyrl's codec.
 
-Routes ``[8192, 48, 8]`` uint8 with ids below 128 (``quick``: ``[1024, 48, 8]``), one
-process, warm: every timing is the median over several repetitions of a few calls each.
-Throughputs are in MB/s of *raw* array bytes (10**6 bytes/s).
-
-The response body used by the decode-from-body figures is what a generate endpoint sends:
-``{"choices": [{"index": 0, "token_ids": [...tokens / 8 response ids], "finish_reason": "stop",
-"routed_experts": <envelope>}]}``, written by :func:`replay_plugin.core.wire.dumps` (byte for
-byte what ``orjson.dumps`` of the envelope gives, so skyrl's reader accepts it too).
-
-The peer is skyrl 0.4.0's route codec (``pack_routed_experts``,
-``decode_packed_routed_experts``, ``load_packed_body`` in
-``skyrl.backends.skyrl_train.inference_servers.generate_wire``), measured in the same run
-when skyrl is importable; otherwise one result with no value says so.
+Routes ``[8192, 48, 8]`` uint8 (``quick``: ``[1024, 48, 8]``), one process, medians of warm
+repetitions, throughput in MB/s of raw array bytes. The decode-from-body figures use a generate
+endpoint's response body written by :func:`replay_plugin.core.wire.dumps`. The peer, skyrl
+0.4.0's route codec, is measured when skyrl is importable.
 """
 
 from __future__ import annotations

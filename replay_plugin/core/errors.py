@@ -1,4 +1,4 @@
-"""Typed errors for bad replay data.
+"""Typed errors for bad replay data and for sampler settings that replay cannot reproduce.
 
 Every error names the field that is wrong and, where it applies, the trajectory and token
 index and what was expected, so a user can find the offending sample in a batch of thousands.
@@ -51,3 +51,16 @@ class ReplayDataError(_Located, ValueError):
 
 class ReplayTypeError(_Located, TypeError):
     """Replay data of the wrong Python type or dtype; same attributes as ReplayDataError."""
+
+
+class NotReplayable(ValueError):
+    """A sampler or engine setting that sampler-support replay cannot reproduce.
+
+    Attributes ``setting`` (the setting's name, e.g. ``"top_k"`` or ``"logprobs_mode"``) and
+    ``value`` (its value as seen, or None when the message does not depend on it).
+    """
+
+    def __init__(self, setting: str, message: str, *, value: object = None) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.value = value

@@ -1,39 +1,18 @@
 """Token metadata layout: from a padded ``[batch, seq]`` batch to the model's input layout.
 
-Per-token metadata (routes ``[B, S, L, K]``, router padding masks ``[B, S]``, support rows
-``[B, S, W]``, sampled ids ``[B, S]``...) arrives in the trainer's padded batch grid, usually
-left-padded. The model consumes tokens in one of these layouts:
-
-* **unpacked**: ``[B, A]``, row ``i`` holds its valid tokens left-justified, then padding;
-  ``A = round_up(max_i len_i, align)``.
-* **packed** (THD): ``[1, T]``, sequences back to back, each padded to
-  ``P_i = round_up(len_i, align)``; ``T = sum_i P_i``; ``cu_seqlens_padded = [0, P_0,
-  P_0 + P_1, ...]``.
-* **packed + context parallel** (``cp_size = c > 1``): each padded sequence is cut into
-  ``2c`` equal chunks and rank ``r`` keeps chunks ``r`` and ``2c-1-r`` (Megatron's
-  load-balanced order), sequences back to back: ``[1, T / c]`` per rank.
-* **next token**: slot ``j`` of a sequence holds the metadata of its token ``j + 1`` and the
-  sequence's last token slot is padding, for metadata that belongs to the *target* of the
-  logits at a position (sampled ids, support rows). The shift happens before the CP cut.
-
-:meth:`TokenMetadataLayout.restore` maps per-slot outputs (e.g. logprobs, where slot ``j``
-scores token ``j + 1``) back to ``[B, S - 1]`` at the position of the token that predicts.
-
-All index arithmetic happens once in :meth:`TokenMetadataLayout.build`; ``align`` and
-``restore`` are one gather and one scatter each, on the mask's device, for any trailing
-shape and dtype (no Python loop over tokens or sequences).
-
-Example (align 4, attention ``[[0,1,1,1],[0,0,1,1]]``, packed): tokens ``a b c`` and
-``d e`` become slots ``[a b c _ d e _ _]``, ``cu_seqlens_padded = [0, 4, 8]``; with
-``next_token`` the slots hold ``[b c _ _ e _ _ _]``; restoring slot values ``1..8`` gives
-``[[_, 1, 2], [_, _, 5]]``.
+Per-token metadata (routes, router padding masks, support rows, sampled ids) arrives in the
+trainer's padded ``[B, S]`` grid; the model consumes tokens unpacked ``[B, A]``, packed (THD)
+``[1, T]``, or packed and cut for context parallelism ``[1, T / cp]`` (Megatron's load-balanced
+chunk order), optionally shifted to the *next* token (metadata of a logit's target).
+:meth:`TokenMetadataLayout.build` computes the index maps once; ``align`` and ``restore`` are
+then one gather / one scatter on the mask's device, for any trailing shape and dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -112,6 +91,56 @@ def _padding(padding_value: Any, dtype: torch.dtype, trail: torch.Size, device: 
     return q.to(device)
 
 
+def _check_build_args(packed: Any, align: Any, cp_size: Any, cp_rank: Any) -> tuple[int, int, int]:
+    """``(align, cp_size, cp_rank)`` as ints, checked against each other and ``packed``."""
+    if not isinstance(packed, bool):
+        raise ReplayTypeError("packed", f"got {type(packed).__name__}", expected="a bool")
+    align = _check_int(align, "align", 1)
+    cp_size = _check_int(cp_size, "cp_size", 1)
+    cp_rank = _check_int(cp_rank, "cp_rank", 0)
+    if cp_rank >= cp_size:
+        raise ReplayDataError("cp_rank", f"got {cp_rank}", expected=f"< cp_size {cp_size}")
+    if cp_size > 1 and not packed:
+        raise ReplayDataError("cp_size", f"{cp_size} with an unpacked layout", expected="packed=True for context parallelism")
+    if cp_size > 1 and align % (2 * cp_size):
+        raise ReplayDataError("align", f"{align} with cp_size {cp_size}", expected=f"a multiple of 2 * cp_size = {2 * cp_size}")
+    return align, cp_size, cp_rank
+
+
+class _Slots(NamedTuple):
+    """Where the valid tokens go in the unsharded model input."""
+
+    #: int64 ``[N]``: each valid token's index in the flattened unsharded ``[rows, length]``.
+    slot: torch.Tensor
+    #: ``A`` (unpacked) or ``T`` (packed, all CP ranks together).
+    aligned_length: int
+    #: this rank's ``(rows, length)``.
+    output_shape: tuple[int, int]
+    #: packed only: padded sequence lengths int64 ``[B]``.
+    padded: Optional[torch.Tensor]
+    #: packed only: their cumulative sums int64 ``[B + 1]``, starting at 0.
+    cu: Optional[torch.Tensor]
+
+
+def _packed_slots(lengths: torch.Tensor, row: torch.Tensor, rank: torch.Tensor, align: int, cp_size: int) -> _Slots:
+    """THD slots: the sequences (``lengths`` ``[B]``) back to back, each padded to a multiple of
+    ``align``; ``row`` / ``rank`` ``[N]`` are each valid token's sequence and index in it."""
+    padded = _round_up(lengths, align)
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(padded, dim=0, out=cu[1:])
+    total = int(cu[-1])
+    slot = cu[row] + rank  # unsharded packed slot of each valid token
+    return _Slots(slot, total, (1, total // cp_size), padded, cu)
+
+
+def _unpacked_slots(lengths: torch.Tensor, row: torch.Tensor, rank: torch.Tensor, align: int) -> _Slots:
+    """``[B, A]`` slots: each row's valid tokens left-justified, ``A`` the longest row rounded
+    up to a multiple of ``align``."""
+    batch = lengths.shape[0]
+    aligned = int(_round_up(lengths.max(), align)) if batch else 0
+    return _Slots(row * aligned + rank, aligned, (batch, aligned), None, None)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenMetadataLayout:
     """Where each valid token of a ``[B, S]`` batch goes in the model's input layout.
@@ -176,70 +205,45 @@ class TokenMetadataLayout:
         Raises:
             ReplayTypeError / ReplayDataError naming the bad argument.
         """
-        if not isinstance(packed, bool):
-            raise ReplayTypeError("packed", f"got {type(packed).__name__}", expected="a bool")
-        align = _check_int(align, "align", 1)
-        cp_size = _check_int(cp_size, "cp_size", 1)
-        cp_rank = _check_int(cp_rank, "cp_rank", 0)
-        if cp_rank >= cp_size:
-            raise ReplayDataError("cp_rank", f"got {cp_rank}", expected=f"< cp_size {cp_size}")
-        if cp_size > 1 and not packed:
-            raise ReplayDataError("cp_size", f"{cp_size} with an unpacked layout", expected="packed=True for context parallelism")
-        if cp_size > 1 and align % (2 * cp_size):
-            raise ReplayDataError("align", f"{align} with cp_size {cp_size}", expected=f"a multiple of 2 * cp_size = {2 * cp_size}")
-
+        align, cp_size, cp_rank = _check_build_args(packed, align, cp_size, cp_rank)
         mask = _bool_mask(attention_mask)
-        device = mask.device
-        batch, seq = mask.shape
+        seq = mask.shape[1]
         lengths = mask.sum(dim=1)  # [B] int64
         # Valid tokens in row-major order: flat source index, row, rank within the row.
         flat_src = mask.reshape(-1).nonzero().squeeze(1)  # [N]
         row = flat_src // max(seq, 1)
         rank = (mask.cumsum(dim=1) - 1).reshape(-1)[flat_src]
         lengths_list = tuple(int(v) for v in lengths.tolist())
-
         if packed:
-            padded = _round_up(lengths, align)
-            cu = torch.zeros(batch + 1, dtype=torch.int64, device=device)
-            torch.cumsum(padded, dim=0, out=cu[1:])
-            total = int(cu[-1])
-            slot = cu[row] + rank  # unsharded packed slot of each valid token
-            aligned_length = total
-            output_shape = (1, total // cp_size)
-            padded_list: Optional[tuple[int, ...]] = tuple(int(v) for v in padded.tolist())
-            cu_seqlens: Optional[torch.Tensor] = cu.to(torch.int32)
+            slots = _packed_slots(lengths, row, rank, align, cp_size)
         else:
-            aligned = int(_round_up(lengths.max(), align)) if batch else 0
-            slot = row * aligned + rank
-            aligned_length = aligned
-            output_shape = (batch, aligned)
-            padded_list = None
-            cu_seqlens = None
+            slots = _unpacked_slots(lengths, row, rank, align)
 
         has_next = rank >= 1
-        same = (flat_src, slot)
-        nxt = (flat_src[has_next], slot[has_next] - 1)
+        same = (flat_src, slots.slot)
+        nxt = (flat_src[has_next], slots.slot[has_next] - 1)
         if cp_size > 1:
-            to_local = cls._cp_local_slots(cu, padded, total, cp_size, cp_rank)
+            assert slots.cu is not None and slots.padded is not None  # cp_size > 1 requires packed
+            to_local = cls._cp_local_slots(slots.cu, slots.padded, slots.aligned_length, cp_size, cp_rank)
             same = cls._keep_local(same, to_local)
             nxt = cls._keep_local(nxt, to_local)
 
         # restore: tokens with a next token, from their unsharded slot to [row, position].
         has_target = rank < (lengths[row] - 1)
         position = flat_src - row * seq
-        restore = (slot[has_target], row[has_target] * max(seq - 1, 0) + position[has_target])
+        restore = (slots.slot[has_target], row[has_target] * max(seq - 1, 0) + position[has_target])
 
         return cls(
             attention_mask=mask,
             sequence_lengths=lengths_list,
             packed=packed,
             alignment=align,
-            aligned_sequence_length=aligned_length,
-            padded_sequence_lengths=padded_list,
-            cu_seqlens_padded=cu_seqlens,
+            aligned_sequence_length=slots.aligned_length,
+            padded_sequence_lengths=None if slots.padded is None else tuple(int(v) for v in slots.padded.tolist()),
+            cu_seqlens_padded=None if slots.cu is None else slots.cu.to(torch.int32),
             cp_size=cp_size,
             cp_rank=cp_rank,
-            output_shape=output_shape,
+            output_shape=slots.output_shape,
             _same=same,
             _next=nxt,
             _restore=restore,

@@ -1,37 +1,15 @@
 """Support-renormalised logprobs for sampler-support replay.
 
-For a token ``y`` drawn from the support ``S`` recorded at rollout, the trainer scores
-
-    logp(y) = z_y / T - logsumexp_{s in S} z_s / T
-
-where ``z`` are the model's logits and ``T`` the sampling temperature. Three entry points:
-
-- ``support_logprobs``: from logits ``[..., V_local]``.
-- ``support_logprobs_from_hidden``: from hidden states ``[..., H]`` and the LM-head weight
-  ``[V_local, H]``, projecting only the (token, candidate) pairs, never ``[tokens, vocab]``.
-- ``full_vocab_logprobs_fixed_capacity``: the ordinary full-vocabulary logprob for rows that
-  have no support (a synthetic EOS appended after the engine returned), computed for a fixed
-  number of rows so that collectives never depend on the data.
-
-``replay_logprobs`` combines them the way a trainer backend needs it.
-
-Conventions: support ids are global vocabulary ids, ``-1`` (any negative) is padding; a row
-with no member is *invalid* (logprob 0, ``valid`` False). bf16/fp16 inputs are computed in
-float32, float64 inputs in float64; outputs are float32. Ids must lie in the global vocabulary
-(validated on the host by ``replay_plugin.core.support.dense_support_batch``). The math
-functions never sync to check them: an id outside every shard is not a member, and a row with
-no member inside the vocabulary gives ``+inf``; ``replay_logprobs`` reports such rows.
-
-Tensor parallelism: with ``tp_group`` the vocabulary is sharded; this rank holds ids
-``[vocab_start, vocab_start + V_local)`` (logits ``[..., V_local]`` or weight rows
-``[V_local, H]``). Every call makes a fixed number of ``torch.distributed.all_reduce`` calls
-when the group has more than one rank, whatever the data: ``support_logprobs`` and
-``support_logprobs_from_hidden`` 2 (MAX, SUM), ``full_vocab_logprobs_fixed_capacity`` 2 when its
-capacity is positive, ``replay_logprobs`` 4. Values and the gradients of the local shard equal
-the unsharded computation. Like a column-parallel LM head, the hidden-state gradient returned on
-each rank is that rank's partial sum over its vocabulary shard: feed ``hidden`` through
-Megatron's ``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather), exactly as
-``ColumnParallelLinear`` does, so the partial sums are all-reduced in backward.
+For a token ``y`` drawn from the recorded support ``S`` the trainer scores
+``logp(y) = z_y / T - logsumexp_{s in S} z_s / T`` (``z`` the logits, ``T`` the temperature):
+from logits (``support_logprobs``), from hidden states and the LM-head weight without forming
+``[tokens, vocab]`` (``support_logprobs_from_hidden``), the full-vocabulary logprob of rows
+without support for a fixed number of rows (``full_vocab_logprobs_fixed_capacity``), and all
+of them combined for a trainer backend (``replay_logprobs``). Support ids are global, ``-1``
+pads; outputs are float32. With ``tp_group`` the vocabulary is sharded, every call makes a
+fixed number of all-reduces whatever the data, and the hidden-state gradient is this rank's
+partial sum: feed ``hidden`` through ``copy_to_tensor_model_parallel_region`` as
+``ColumnParallelLinear`` does.
 """
 
 from __future__ import annotations
@@ -215,16 +193,9 @@ def full_vocab_logprobs_fixed_capacity(
             torch.zeros(prefix, dtype=torch.bool, device=device),
         )
     need = needs_full_vocab.reshape(-1).to(torch.bool)
-    traj = trajectory_ids.reshape(-1).long()
-    y = sampled_ids.reshape(-1).long()
-    positions = torch.arange(n, device=device)
-    in_range = (traj >= 0) & (traj < cap)
-    candidate = torch.where(need & in_range, positions, n)
-    first = torch.full((cap,), n, dtype=torch.long, device=device).scatter_reduce(
-        0, traj.clamp(0, cap - 1), candidate, reduce="amin", include_self=True
-    )
-    has = first < n
+    first, has = _first_flagged_rows(need, trajectory_ids.reshape(-1).long(), cap, device)
     rows = torch.where(has, first, 0)
+    y = sampled_ids.reshape(-1).long()
     if n == 0:
         picked = flat.new_zeros(cap, dim)
         y_rows = torch.zeros(cap, dtype=torch.long, device=device)
@@ -240,17 +211,45 @@ def full_vocab_logprobs_fixed_capacity(
                 expected="[V_local, H]",
             )
         logits = picked.to(lm_head_weight.dtype) @ lm_head_weight.t()
+    lp = _full_vocab_logprob(logits, y_rows, out_dtype, temperature, vocab_start, tp_group)
+    target = torch.where(has, first, n)
+    out = torch.zeros(n + 1, dtype=lp.dtype, device=device).scatter_add(0, target, torch.where(has, lp, 0.0))
+    hits = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_add(0, target, has.long())
+    return out[:n].float().reshape(prefix), (hits[:n] > 0).reshape(prefix)
+
+
+def _first_flagged_rows(
+    need: torch.Tensor, traj: torch.Tensor, cap: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per trajectory ``[cap]``: the index of its first flagged row among the ``N`` rows
+    (``need`` bool ``[N]``, ``traj`` int64 ``[N]``), ``N`` when it has none, and whether it has one."""
+    n = need.shape[0]
+    positions = torch.arange(n, device=device)
+    in_range = (traj >= 0) & (traj < cap)
+    candidate = torch.where(need & in_range, positions, n)
+    first = torch.full((cap,), n, dtype=torch.long, device=device).scatter_reduce(
+        0, traj.clamp(0, cap - 1), candidate, reduce="amin", include_self=True
+    )
+    return first, first < n
+
+
+def _full_vocab_logprob(
+    logits: torch.Tensor,
+    y_rows: torch.Tensor,
+    out_dtype: torch.dtype,
+    temperature: float,
+    vocab_start: int,
+    tp_group: Optional["torch.distributed.ProcessGroup"],
+) -> torch.Tensor:
+    """Logprob ``[R]`` (``out_dtype``) of the global ids ``y_rows`` ``[R]`` over the whole
+    (possibly TP-sharded) vocabulary, from raw logits ``[R, V_local]``."""
     v_local = logits.shape[-1]
     z = logits.to(out_dtype) / temperature
     ly = y_rows - vocab_start
     y_local = (ly >= 0) & (ly < v_local)
     y_values = z.gather(1, ly.clamp(0, max(v_local - 1, 0)).unsqueeze(1)).squeeze(1)
     y_values = torch.where(y_local, y_values, 0.0)
-    lp = _renormalise(z, None, y_values, torch.ones(cap, dtype=torch.bool, device=device), tp_group)
-    target = torch.where(has, first, n)
-    out = torch.zeros(n + 1, dtype=lp.dtype, device=device).scatter_add(0, target, torch.where(has, lp, 0.0))
-    hits = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_add(0, target, has.long())
-    return out[:n].float().reshape(prefix), (hits[:n] > 0).reshape(prefix)
+    return _renormalise(z, None, y_values, torch.ones_like(y_local), tp_group)
 
 
 class ReplayLogprobs(NamedTuple):

@@ -1,30 +1,12 @@
 """Routed experts (R3): compact per-trajectory arrays, batch padding, per-stage replay data.
 
-Shapes and names used throughout:
-
-* ``T`` tokens of one trajectory, ``B`` batch rows, ``S`` padded sequence length,
-  ``L`` MoE layers of the whole model, ``L_local`` layers of one pipeline stage,
-  ``K`` experts per token (top-k).
-* Per trajectory the engine returns ``[T_captured, L, K]`` expert ids. ``T_captured`` (the
-  array's length) is the captured prefix: rows exist for the first ``T_captured`` valid
-  tokens and for nothing after them.
-* Routes stay in their compact dtype (uint8 if every id < 2**8, else int16 if < 2**15,
-  else int32) through transport, batching and device moves. Only the pipeline-stage-local
-  layers are ever widened to int32, at the very end (:func:`local_replay_data`).
-* A *padding row* is ``[0, 1, ..., K-1]`` in every layer: K distinct dummy experts, which
-  keeps Megatron's dropless invariant (every token routes to exactly K distinct experts)
-  without touching the token dispatcher. Every padding row is marked True in the router
-  padding mask.
-
-The router padding mask contract (``[B, S]`` bool, True = no captured route): the row in
-the routes tensor at a True position is a placeholder. The trainer must not treat it as a
-replayed route; for tokens no loss-bearing target depends on (alignment padding, the
-uncaptured suffix) the placeholder is harmless, and for a declared synthetic EOS source
-(see :class:`replay_plugin.core.trace.RoutedExpertTrace`) the trainer's own router must
-route the token. Padding positions are also excluded from router statistics (aux loss,
-expert-bias token counts).
-
-numpy only at import; torch is imported inside the functions that return tensors.
+Per trajectory the engine returns ``[T_captured, L, K]`` expert ids for its first
+``T_captured`` valid tokens. Routes stay in a compact dtype (uint8 / int16 / int32, the
+narrowest that holds every id); only a pipeline stage's own layers are widened to int32, at the
+very end (:func:`local_replay_data`). A padding row is the dummy route ``[0..K-1]`` (K distinct
+experts keep Megatron's dropless invariant), marked True in the router padding mask ``[B, S]``:
+it is a placeholder, never a replayed route. numpy only at import; torch inside the functions
+that return tensors.
 """
 
 from __future__ import annotations
@@ -264,27 +246,9 @@ def pad_batch(
     widest = ROUTE_DTYPES[0]
     valid_counts = mask.sum(axis=1)
     for i, entry in enumerate(route_arrays):
-        if isinstance(entry, TrajectoryRoutes):
-            a, m = _host_array(entry.routes, "routed_experts", i), np.asarray(entry.router_padding_mask)
-            if m.dtype != np.bool_ or m.shape != a.shape[:1]:
-                raise ReplayDataError("router_padding_mask", f"shape {m.shape} dtype {m.dtype}", trajectory=i, expected=f"bool [{a.shape[0] if a.ndim else '?'}]")
-        else:
-            a, m = _host_array(entry, "routed_experts", i), None
-        if a.ndim != 3:
-            raise ReplayDataError("routed_experts", f"shape {a.shape}", trajectory=i, expected="[tokens, layers, topk]")
+        a, m = _trajectory_rows(entry, i, int(valid_counts[i]), lk)
         if lk is None:
             lk = (a.shape[1], a.shape[2])
-        elif a.shape[1:] != lk:
-            raise ReplayDataError("routed_experts", f"[L, K] = {list(a.shape[1:])}", trajectory=i, expected=f"{list(lk)} like trajectory 0")
-        if a.shape[0] > valid_counts[i]:
-            raise ReplayDataError(
-                "routed_experts", f"{a.shape[0]} route rows for {int(valid_counts[i])} valid tokens", trajectory=i,
-                expected=f"at most {int(valid_counts[i])} rows",
-            )
-        if a.dtype not in _ROUTE_MAX:
-            a = compact(a, trajectory=i)  # e.g. int64 from a caller: validate and narrow
-        elif a.dtype != np.uint8:
-            _check_route_values(a, "routed_experts", i)  # signed: rule out negative ids
         if a.dtype.itemsize > widest.itemsize:
             widest = a.dtype
         rows.append(a)
@@ -293,9 +257,52 @@ def pad_batch(
     num_layers, topk = lk
     while topk - 1 > _ROUTE_MAX[widest]:
         widest = ROUTE_DTYPES[ROUTE_DTYPES.index(widest) + 1]
+    out, padding = _scatter_to_grid(rows, row_masks, mask, (num_layers, topk), widest)
+    return out, torch.from_numpy(padding)
 
-    out = np.empty((batch, seq, num_layers, topk), dtype=widest)
-    out[...] = np.arange(topk, dtype=widest)
+
+def _trajectory_rows(
+    entry: Union[ArrayLike, TrajectoryRoutes], i: int, valid_count: int, lk: Union[tuple[int, int], None]
+) -> tuple[np.ndarray, Union[np.ndarray, None]]:
+    """Trajectory ``i``'s routes ``[T_i, L, K]`` on the host in a compact dtype, checked against
+    its ``valid_count`` valid tokens and the batch's ``[L, K]`` (None for the first), and its
+    per-row padding mask ``[T_i]`` (None for a plain array)."""
+    if isinstance(entry, TrajectoryRoutes):
+        a, m = _host_array(entry.routes, "routed_experts", i), np.asarray(entry.router_padding_mask)
+        if m.dtype != np.bool_ or m.shape != a.shape[:1]:
+            raise ReplayDataError("router_padding_mask", f"shape {m.shape} dtype {m.dtype}", trajectory=i, expected=f"bool [{a.shape[0] if a.ndim else '?'}]")
+    else:
+        a, m = _host_array(entry, "routed_experts", i), None
+    if a.ndim != 3:
+        raise ReplayDataError("routed_experts", f"shape {a.shape}", trajectory=i, expected="[tokens, layers, topk]")
+    if lk is not None and a.shape[1:] != lk:
+        raise ReplayDataError("routed_experts", f"[L, K] = {list(a.shape[1:])}", trajectory=i, expected=f"{list(lk)} like trajectory 0")
+    if a.shape[0] > valid_count:
+        raise ReplayDataError(
+            "routed_experts", f"{a.shape[0]} route rows for {valid_count} valid tokens", trajectory=i,
+            expected=f"at most {valid_count} rows",
+        )
+    if a.dtype not in _ROUTE_MAX:
+        a = compact(a, trajectory=i)  # e.g. int64 from a caller: validate and narrow
+    elif a.dtype != np.uint8:
+        _check_route_values(a, "routed_experts", i)  # signed: rule out negative ids
+    return a, m
+
+
+def _scatter_to_grid(
+    rows: list[np.ndarray],
+    row_masks: list[Union[np.ndarray, None]],
+    mask: np.ndarray,
+    lk: tuple[int, int],
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Routes ``[B, S, L, K]`` (``dtype``; the dummy route ``[0..K-1]`` where no row goes) and
+    the padding mask bool ``[B, S]``: trajectory ``i``'s rows fill the first valid positions of
+    ``mask[i]`` (bool ``[B, S]``) in order."""
+    batch, seq = mask.shape
+    num_layers, topk = lk
+    out = np.empty((batch, seq, num_layers, topk), dtype=dtype)
+    out[...] = np.arange(topk, dtype=dtype)
     padding = np.ones((batch, seq), dtype=bool)
     for i, (a, m) in enumerate(zip(rows, row_masks)):
         n = a.shape[0]
@@ -309,7 +316,7 @@ def pad_batch(
         else:
             out[i, positions] = a
             padding[i, positions] = False if m is None else m
-    return out, torch.from_numpy(padding)
+    return out, padding
 
 
 # ---------------------------------------------------------------------------------------

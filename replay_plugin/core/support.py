@@ -1,24 +1,11 @@
 """Sampler-support rows: capture from vLLM outputs and the dense trainer batch.
 
-A *support row* lists, for one generated token, the token ids the engine's sampler could have
-drawn after temperature, top-k, top-p and min-p (and any pure masks: allowed ids, bad words,
-grammars). The trainer renormalises the sampled token's logprob over exactly that set
-(``replay_plugin.core.logprobs``). Rows have a fixed width ``W``: int32 ids, most probable
-first where the probabilities are known, ``-1`` only as trailing padding, no duplicates.
-
-Two capture sources, both duck-typed (this module imports no vLLM):
-
-- ``support_from_flat_logprobs``: vLLM's ``FlatLogprobs`` (``SamplingParams.flat_logprobs``,
-  vLLM >= 0.12) requested with ``logprobs=N`` under ``logprobs_mode="processed_logprobs"``. Entry 0
-  of each position is the sampled token, entries ``1..N`` the top-N by processed logprob
-  (descending; the sampled id may repeat there; ``-inf`` for tokens the sampler masked). The
-  recorded row can be narrower than the real support (ties at the k-th logit, an approximate
-  top-k/top-p pivot, ``N < top_k``): such rows are kept as seen and flagged inexact.
-- ``support_from_sampling_mask``: vLLM's native ``SamplingMask`` (vLLM >= 0.28, model runner V2),
-  which lists exactly the surviving ids of each position.
-
-``dense_support_batch`` turns per-trajectory rows into the ``[batch, seq, W]`` trainer tensor,
-validates them, and applies the ``on_inexact`` policy.
+A *support row* lists, for one generated token, the ids the engine's sampler could have drawn
+(after temperature, top-k/top-p/min-p and any masks); the trainer renormalises the sampled
+token's logprob over exactly that set (``replay_plugin.core.logprobs``). Rows are int32
+``[T, W]``, most probable first where known, ``-1`` only as trailing padding, no duplicates.
+``support_from_flat_logprobs`` and ``support_from_sampling_mask`` read vLLM's outputs (duck-typed,
+no vLLM import); ``dense_support_batch`` builds the validated ``[B, S, W]`` trainer tensor.
 """
 
 from __future__ import annotations
@@ -190,6 +177,24 @@ def support_from_flat_logprobs(
     about two thirds of the cost at ``N = 20``.
     """
     w = _check_width(width)
+    start, end, tokens, logprobs = _read_flat_logprobs(flat)
+    if start.shape[0] == 0:
+        return _empty_rows(w)
+    ids2, lp2, absent = _position_matrix(start, end, tokens, logprobs)
+    _check_flat_ids(ids2)
+    cand, cand_lp, absent = _descending(ids2[:, 1:], lp2[:, 1:], absent)
+    sampled, sampled_lp = ids2[:, 0], lp2[:, 0]
+    ids, exact = _rows_from_candidates(cand, cand_lp, absent, sampled, sampled_lp, w, mass_tolerance)
+    return _rows_unchecked(ids, sampled.astype(np.int32), sampled_lp.astype(np.float32), exact)
+
+
+def _read_flat_logprobs(flat: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The four ``FlatLogprobs`` fields as arrays, checked for consistency.
+
+    Returns ``start`` and ``end`` (int64 ``[T]``), ``tokens`` (integer ``[E]``) and
+    ``logprobs`` (float ``[E]``), ``E`` the number of flat entries; every position
+    ``[start[i], end[i])`` lies inside the flat arrays and holds at least the sampled token.
+    """
     start = _index_array(_get(flat, "start_indices"), "start_indices")
     end = _index_array(_get(flat, "end_indices"), "end_indices")
     tokens = _flat_ids(_get(flat, "token_ids"))
@@ -202,8 +207,6 @@ def support_from_flat_logprobs(
             "logprobs", f"has {logprobs.shape[0]} entries for {tokens.shape[0]} token ids",
             expected="one logprob per token id",
         )
-    if t == 0:
-        return _empty_rows(w)
     lens = end - start
     short = lens < 1
     if short.any():
@@ -219,7 +222,21 @@ def support_from_flat_logprobs(
             "start_indices", f"entries [{int(start[tok])}, {int(end[tok])}) lie outside the "
             f"{tokens.shape[0]} flat entries", token=tok, expected="indices inside the flat arrays",
         )
+    return start, end, tokens, logprobs
 
+
+def _position_matrix(
+    start: np.ndarray, end: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """The flat entries as one row per position (``T >= 1`` positions).
+
+    Returns ids ``[T, C]`` and logprobs ``[T, C]`` (``C`` = the widest position; column 0 the
+    sampled token) and ``absent``, bool ``[T, C - 1]``: candidate slots past a shorter
+    position's end, which read as ``-inf``. ``absent`` is None when every position is ``C``
+    wide and they follow each other (vLLM's layout, read by a reshape without copying).
+    """
+    t = start.shape[0]
+    lens = end - start
     row_len = int(lens[0])
     uniform = bool((lens == row_len).all()) and bool(
         (start == start[0] + row_len * np.arange(t, dtype=np.int64)).all()
@@ -228,21 +245,19 @@ def support_from_flat_logprobs(
         lo = int(start[0])
         ids2 = tokens[lo : lo + t * row_len].reshape(t, row_len)
         lp2 = logprobs[lo : lo + t * row_len].reshape(t, row_len)
-        absent = None
-    else:
-        row_len = int(lens.max())
-        cols = np.arange(row_len, dtype=np.int64)
-        present = cols[None, :] < lens[:, None]
-        index = np.where(present, start[:, None] + cols[None, :], 0)
-        ids2 = tokens[index]
-        # Absent entries read as -inf so ordering and mass ignore them; they prove nothing.
-        lp2 = np.where(present, logprobs[index], -np.inf)
-        absent = ~present[:, 1:]
+        return ids2, lp2, None
+    row_len = int(lens.max())
+    cols = np.arange(row_len, dtype=np.int64)
+    present = cols[None, :] < lens[:, None]
+    index = np.where(present, start[:, None] + cols[None, :], 0)
+    ids2 = tokens[index]
+    # Absent entries read as -inf so ordering and mass ignore them; they prove nothing.
+    lp2 = np.where(present, logprobs[index], -np.inf)
+    return ids2, lp2, ~present[:, 1:]
 
-    sampled = ids2[:, 0]
-    sampled_lp = lp2[:, 0]
-    cand = ids2[:, 1:]
-    cand_lp = lp2[:, 1:]
+
+def _check_flat_ids(ids2: np.ndarray) -> None:
+    """Every id of the ``[T, C]`` position matrix in ``[0, INT32_MAX]``."""
     if ids2.size and (ids2.min() < 0 or ids2.max() > INT32_MAX):
         tok = int(np.argmax(((ids2 < 0) | (ids2 > INT32_MAX)).any(axis=1)))
         raise ReplayDataError(
@@ -250,6 +265,12 @@ def support_from_flat_logprobs(
             expected=f"ids in [0, {INT32_MAX}]",
         )
 
+
+def _descending(
+    cand: np.ndarray, cand_lp: np.ndarray, absent: Optional[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """Candidates ``[T, N]`` (ids, logprobs, ``absent`` flags) ordered finite first, by
+    descending logprob, ``-inf`` and NaN last; ties keep the engine's order."""
     # vLLM's entries are torch.topk output: finite ones first, descending, -inf last. One
     # comparison checks that (NaN fails it too); reorder only when a source breaks it (stable,
     # so ties keep the engine's order).
@@ -261,6 +282,21 @@ def support_from_flat_logprobs(
         cand_lp = np.take_along_axis(cand_lp, order, axis=1)
         if absent is not None:
             absent = np.take_along_axis(absent, order, axis=1)
+    return cand, cand_lp, absent
+
+
+def _rows_from_candidates(
+    cand: np.ndarray,
+    cand_lp: np.ndarray,
+    absent: Optional[np.ndarray],
+    sampled: np.ndarray,
+    sampled_lp: np.ndarray,
+    w: int,
+    mass_tolerance: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows int32 ``[T, W]`` (the finite candidates, at most ``W``) and ``exact`` bool ``[T]``
+    from descending candidates ``[T, N]`` and the sampled ids / logprobs ``[T]``."""
+    t, n = cand.shape
     finite = np.isfinite(cand_lp)
     neg_inf = cand_lp == -np.inf
     if absent is not None:
@@ -282,7 +318,7 @@ def support_from_flat_logprobs(
         & ~garbage
         & np.isfinite(sampled_lp)
     )
-    return _rows_unchecked(ids, sampled.astype(np.int32), sampled_lp.astype(np.float32), exact)
+    return ids, exact
 
 
 def support_from_sampling_mask(
@@ -320,6 +356,21 @@ def support_from_sampling_mask(
     ``itertools.chain`` (C-level iteration, no per-token Python statement).
     """
     w = _check_width(width)
+    flat, offs = _mask_csr(mask)
+    t = offs.shape[0] - 1
+    sampled, logprob = _mask_sampled(sampled_ids, sampled_logprobs, t)
+    if t == 0:
+        return _empty_rows(w)
+    if flat.size and (flat.min() < 0 or flat.max() > INT32_MAX):
+        tok = int(np.searchsorted(offs, int(np.argmax((flat < 0) | (flat > INT32_MAX))), side="right") - 1)
+        raise ReplayDataError("token_ids", "mask holds an id outside int32", token=tok, expected="ids >= 0")
+    ids, exact = _sampled_first_rows(flat, offs, sampled, w)
+    return _rows_unchecked(ids, sampled.astype(np.int32), logprob, exact)
+
+
+def _mask_csr(mask: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A mask in any accepted form as CSR: flat ids ``[E]`` and int64 offsets ``[T + 1]``
+    partitioning them."""
     token_ids = _get(mask, "token_ids") if not _is_sequence_of_rows(mask) else mask
     offsets = _get_optional(mask, "offsets")
     if offsets is not None:
@@ -336,6 +387,11 @@ def support_from_sampling_mask(
             "offsets", f"offsets {offs[:8].tolist()}... do not partition {flat.shape[0]} ids",
             expected="non-decreasing offsets from 0 to the number of ids",
         )
+    return flat, offs
+
+
+def _mask_sampled(sampled_ids: Any, sampled_logprobs: Any, t: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sampled ids (int64 ``[T]``) and their logprobs (float32 ``[T]``, NaN when not given)."""
     sampled = np.asarray(sampled_ids)
     if sampled.ndim != 1 or sampled.shape[0] != t or (sampled.size and sampled.dtype.kind not in "iu"):
         raise ReplayDataError(
@@ -343,19 +399,22 @@ def support_from_sampling_mask(
         )
     sampled = sampled.astype(np.int64, copy=False)
     if sampled_logprobs is None:
-        logprob = np.full(t, np.nan, dtype=np.float32)
-    else:
-        logprob = np.asarray(sampled_logprobs, dtype=np.float32)
-        if logprob.shape != (t,):
-            raise ReplayDataError(
-                "sampled_logprobs", f"got shape {logprob.shape}", expected=f"shape ({t},)"
-            )
-    if t == 0:
-        return _empty_rows(w)
-    if flat.size and (flat.min() < 0 or flat.max() > INT32_MAX):
-        tok = int(np.searchsorted(offs, int(np.argmax((flat < 0) | (flat > INT32_MAX))), side="right") - 1)
-        raise ReplayDataError("token_ids", "mask holds an id outside int32", token=tok, expected="ids >= 0")
+        return sampled, np.full(t, np.nan, dtype=np.float32)
+    logprob = np.asarray(sampled_logprobs, dtype=np.float32)
+    if logprob.shape != (t,):
+        raise ReplayDataError(
+            "sampled_logprobs", f"got shape {logprob.shape}", expected=f"shape ({t},)"
+        )
+    return sampled, logprob
 
+
+def _sampled_first_rows(
+    flat: np.ndarray, offs: np.ndarray, sampled: np.ndarray, w: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows int32 ``[T, W]`` (the sampled token first when the mask holds it, then the other
+    members in mask order, cut at ``W``) and ``exact`` bool ``[T]``, from CSR ``flat`` /
+    ``offs`` and the sampled ids ``[T]``."""
+    t = offs.shape[0] - 1
     lens = np.diff(offs)
     row = np.repeat(np.arange(t, dtype=np.int64), lens)
     is_sampled = flat == sampled[row]
@@ -371,7 +430,7 @@ def support_from_sampling_mask(
     ids[has_sampled, 0] = sampled[has_sampled]
     members = lens - n_sampled + has_sampled
     exact = has_sampled & (members <= w)
-    return _rows_unchecked(ids, sampled.astype(np.int32), logprob, exact)
+    return ids, exact
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,15 +474,15 @@ def dense_support_batch(
         seq_len: ``S``; responses are right-aligned in it (the trainer's ``[batch, seq]`` layout).
         eos_token_id: the EOS id, or several, or None (then no row may lack support).
         on_inexact: what happens to loss-bearing rows that are not exact:
-            ``"repair"`` (default): the seeds' rule; a row missing its sampled token gets it in
-            place of its last (weakest) valid member, a row that contains it is kept as recorded.
+            ``"repair"`` (default): a row missing its sampled token gets it in place of its
+            last (weakest) valid member, a row that contains it is kept as recorded.
             ``"mask"``: the row leaves the loss (``loss_mask`` False there; its ids are kept).
             ``"error"``: ``ReplayDataError`` naming the trajectory and token.
             Default ``"repair"`` because most inexact rows already contain the sampled token
             (ties at the k-th logit: the recorded members are the most probable ones and each
             missing member carries at most the k-th probability), so repair leaves them unchanged
-            and the error is the small missing mass; it keeps every token in the loss and matches
-            the seeds' numbers. ``"mask"`` drops exactly the tokens drawn where the distribution
+            and the error is the small missing mass; it keeps every token in the loss.
+            ``"mask"`` drops exactly the tokens drawn where the distribution
             is flat (a selection bias in the gradient); ``"error"`` stops a run for an engine
             artifact that occurs on several percent of bf16 tokens. The count is returned and
             logged at WARNING either way.
@@ -447,10 +506,42 @@ def dense_support_batch(
     s = int(seq_len)
     eos = _eos_set(eos_token_id)
     id_limit = INT32_MAX if vocab_size is None else int(vocab_size) - 1
+    prepared, w = _rows_of_one_width(rows)
+    out = np.full((b, s, w), PAD, dtype=np.int32)
+    loss_out = np.zeros((b, s), dtype=np.bool_)
+    n_inexact = 0
+    n_eos = 0
+    for i, (ids, sampled, exact) in enumerate(prepared):
+        resp, lm = _response_and_loss_mask(i, response_ids[i], loss_masks[i], ids.shape[0], s)
+        t = resp.shape[0]
+        if t == 0:
+            continue
+        _check_support_ids(i, ids, resp, id_limit)
+        supported = ids[:, 0] >= 0 if w else np.zeros(t, dtype=np.bool_)
+        contains = (ids == resp[:, None]).any(axis=1)
+        is_exact = _exact_rows(i, sampled, exact, resp, supported, contains)
+        inexact = supported & ~is_exact & lm
+        n_inexact += int(inexact.sum())
+        fixed, lm_after = _apply_inexact_policy(i, ids, resp, lm, inexact, contains, on_inexact)
+        n_eos += _count_synthetic_eos(i, resp, ~supported & lm, eos)
+        out[i, s - t :] = fixed
+        loss_out[i, s - t :] = lm_after
+    log = logger.warning if n_inexact else logger.debug
+    log(
+        "support batch: %d loss-bearing inexact row(s) (on_inexact=%r), %d synthetic EOS row(s), "
+        "%d trajectories", n_inexact, on_inexact, n_eos, b,
+    )
+    return DenseSupport(out, loss_out, n_inexact, n_eos, on_inexact)
+
+
+def _rows_of_one_width(
+    rows: Sequence[Any],
+) -> tuple[list[tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]], int]:
+    """Per trajectory ``(ids [T_b, W], sampled [T_b] or None, exact [T_b] or None)`` and the
+    common width ``W`` (0 for an empty batch); plain arrays carry no ``sampled`` / ``exact``."""
     prepared = []
     width: Optional[int] = None
-    for i in range(b):
-        r = rows[i]
+    for i, r in enumerate(rows):
         if isinstance(r, SupportRows):
             ids, sampled, exact = r.ids, r.sampled, r.exact
         else:
@@ -468,129 +559,151 @@ def dense_support_batch(
                 "support", f"rows have width {ids.shape[1]}", trajectory=i, expected=f"width {width}"
             )
         prepared.append((ids, sampled, exact))
-    w = width or 0
-    out = np.full((b, s, w), PAD, dtype=np.int32)
-    loss_out = np.zeros((b, s), dtype=np.bool_)
-    n_inexact = 0
-    n_eos = 0
-    for i, (ids, sampled, exact) in enumerate(prepared):
-        resp = np.asarray(response_ids[i])
-        if resp.ndim != 1 or (resp.size and resp.dtype.kind not in "iu"):
-            raise ReplayTypeError(
-                "response_ids", f"got dtype {resp.dtype} with shape {resp.shape}", trajectory=i,
-                expected="a 1-D integer sequence",
-            )
-        t = resp.shape[0]
-        lm = np.asarray(loss_masks[i])
-        if lm.shape != (t,):
+    return prepared, width or 0
+
+
+def _response_and_loss_mask(
+    i: int, response: Any, loss_mask: Any, n_rows: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Trajectory ``i``'s response ids (integer ``[T]``) and loss mask (bool ``[T]``), checked
+    against its ``n_rows`` support rows and ``seq_len``."""
+    resp = np.asarray(response)
+    if resp.ndim != 1 or (resp.size and resp.dtype.kind not in "iu"):
+        raise ReplayTypeError(
+            "response_ids", f"got dtype {resp.dtype} with shape {resp.shape}", trajectory=i,
+            expected="a 1-D integer sequence",
+        )
+    t = resp.shape[0]
+    lm = np.asarray(loss_mask)
+    if lm.shape != (t,):
+        raise ReplayDataError(
+            "loss_mask", f"has shape {lm.shape} for {t} response tokens", trajectory=i,
+            expected=f"shape ({t},)",
+        )
+    if n_rows != t:
+        raise ReplayDataError(
+            "support", f"{n_rows} rows for {t} response tokens", trajectory=i,
+            expected="one row per response token",
+        )
+    if t > seq_len:
+        raise ReplayDataError(
+            "response_ids", f"{t} tokens do not fit seq_len {seq_len}", trajectory=i, expected=f"<= {seq_len}"
+        )
+    return resp, lm.astype(np.bool_)
+
+
+def _check_support_ids(i: int, ids: np.ndarray, resp: np.ndarray, id_limit: int) -> None:
+    """Trajectory ``i``: response ids ``[T]`` in ``[0, id_limit]``; rows ``[T, W]`` with ids in
+    ``[-1, id_limit]``, ``-1`` only as trailing padding, no id twice in a row."""
+    bad_resp = (resp < 0) | (resp > id_limit)
+    if bad_resp.any():
+        tok = int(np.argmax(bad_resp))
+        raise ReplayDataError(
+            "response_ids", f"id {int(resp[tok])} out of range", trajectory=i, token=tok,
+            expected=f"[0, {id_limit + 1})",
+        )
+    bad = (ids < PAD) | (ids > id_limit)
+    if bad.any():
+        tok = int(np.argmax(bad.any(axis=1)))
+        val = int(ids[tok][bad[tok]][0])
+        raise ReplayDataError(
+            "support", f"id {val} out of range", trajectory=i, token=tok,
+            expected=f"ids in [-1, {id_limit + 1})",
+        )
+    _check_trailing_padding(ids, "support", i)
+    if ids.shape[1] > 1:
+        srt = np.sort(ids, axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if dup.any():
+            tok = int(np.argmax(dup.any(axis=1)))
+            val = int(srt[tok, 1:][dup[tok]][0])
             raise ReplayDataError(
-                "loss_mask", f"has shape {lm.shape} for {t} response tokens", trajectory=i,
-                expected=f"shape ({t},)",
+                "support", f"id {val} appears twice in the row", trajectory=i, token=tok,
+                expected="no duplicate ids",
             )
-        lm = lm.astype(np.bool_)
-        if ids.shape[0] != t:
-            raise ReplayDataError(
-                "support", f"{ids.shape[0]} rows for {t} response tokens", trajectory=i,
-                expected="one row per response token",
-            )
-        if t > s:
-            raise ReplayDataError(
-                "response_ids", f"{t} tokens do not fit seq_len {s}", trajectory=i, expected=f"<= {s}"
-            )
-        if t == 0:
-            continue
-        bad_resp = (resp < 0) | (resp > id_limit)
-        if bad_resp.any():
-            tok = int(np.argmax(bad_resp))
-            raise ReplayDataError(
-                "response_ids", f"id {int(resp[tok])} out of range", trajectory=i, token=tok,
-                expected=f"[0, {id_limit + 1})",
-            )
-        bad = (ids < PAD) | (ids > id_limit)
-        if bad.any():
-            tok = int(np.argmax(bad.any(axis=1)))
-            val = int(ids[tok][bad[tok]][0])
-            raise ReplayDataError(
-                "support", f"id {val} out of range", trajectory=i, token=tok,
-                expected=f"ids in [-1, {id_limit + 1})",
-            )
-        valid = ids >= 0
-        _check_trailing_padding(ids, "support", i)
-        if w > 1:
-            srt = np.sort(ids, axis=1)
-            dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-            if dup.any():
-                tok = int(np.argmax(dup.any(axis=1)))
-                val = int(srt[tok, 1:][dup[tok]][0])
-                raise ReplayDataError(
-                    "support", f"id {val} appears twice in the row", trajectory=i, token=tok,
-                    expected="no duplicate ids",
-                )
-        supported = valid[:, 0] if w else np.zeros(t, dtype=np.bool_)
-        contains = (ids == resp[:, None]).any(axis=1)
-        if sampled is not None:
-            mismatch = supported & (sampled != resp)
-            if mismatch.any():
-                tok = int(np.argmax(mismatch))
-                raise ReplayDataError(
-                    "sampled", f"row was captured for token {int(sampled[tok])} but the response "
-                    f"holds {int(resp[tok])}", trajectory=i, token=tok,
-                    expected="rows aligned with the response tokens",
-                )
-            wrong = exact & supported & ~contains
-            if wrong.any():
-                tok = int(np.argmax(wrong))
-                raise ReplayDataError(
-                    "exact", "row flagged exact does not contain the response token", trajectory=i,
-                    token=tok, expected="exact rows to contain their sampled token",
-                )
-            is_exact = exact & supported
-        else:
-            is_exact = supported & contains
-        inexact = supported & ~is_exact & lm
-        lm_after = lm
-        fixed = ids
-        if inexact.any():
-            n_inexact += int(inexact.sum())
-            if on_inexact == "error":
-                tok = int(np.argmax(inexact))
-                raise ReplayDataError(
-                    "exact", "loss-bearing support row is inexact (the sampler's support was wider "
-                    "than the recorded row, or the row lacks the sampled token)", trajectory=i,
-                    token=tok, expected="exact rows (on_inexact='error')",
-                )
-            if on_inexact == "mask":
-                lm_after = lm & ~inexact
-            else:
-                missing = np.flatnonzero(inexact & ~contains)
-                if missing.size:
-                    fixed = ids.copy()
-                    last = valid[missing].sum(axis=1) - 1
-                    fixed[missing, last] = resp[missing]
-        empty = ~supported & lm
-        if empty.any():
-            where_empty = np.flatnonzero(empty)
-            if where_empty.size > 1:
-                raise ReplayDataError(
-                    "support", f"{where_empty.size} loss-bearing tokens have no support row "
-                    f"(tokens {where_empty[:8].tolist()})", trajectory=i, token=int(where_empty[1]),
-                    expected="at most one per trajectory (the synthetic EOS)",
-                )
-            tok = int(where_empty[0])
-            if int(resp[tok]) not in eos:
-                raise ReplayDataError(
-                    "support", f"loss-bearing token {int(resp[tok])} has no support row", trajectory=i,
-                    token=tok, expected=f"support for every loss-bearing token but the EOS {sorted(eos)}",
-                )
-            n_eos += 1
-        out[i, s - t :] = fixed
-        loss_out[i, s - t :] = lm_after
-    log = logger.warning if n_inexact else logger.debug
-    log(
-        "support batch: %d loss-bearing inexact row(s) (on_inexact=%r), %d synthetic EOS row(s), "
-        "%d trajectories", n_inexact, on_inexact, n_eos, b,
-    )
-    return DenseSupport(out, loss_out, n_inexact, n_eos, on_inexact)
+
+
+def _exact_rows(
+    i: int,
+    sampled: Optional[np.ndarray],
+    exact: Optional[np.ndarray],
+    resp: np.ndarray,
+    supported: np.ndarray,
+    contains: np.ndarray,
+) -> np.ndarray:
+    """Bool ``[T]``: supported rows that are exact. With ``SupportRows`` their flags, after
+    checking that each row was captured for its response token; for a plain array, the rows
+    that contain their response token."""
+    if sampled is None or exact is None:
+        return supported & contains
+    mismatch = supported & (sampled != resp)
+    if mismatch.any():
+        tok = int(np.argmax(mismatch))
+        raise ReplayDataError(
+            "sampled", f"row was captured for token {int(sampled[tok])} but the response "
+            f"holds {int(resp[tok])}", trajectory=i, token=tok,
+            expected="rows aligned with the response tokens",
+        )
+    wrong = exact & supported & ~contains
+    if wrong.any():
+        tok = int(np.argmax(wrong))
+        raise ReplayDataError(
+            "exact", "row flagged exact does not contain the response token", trajectory=i,
+            token=tok, expected="exact rows to contain their sampled token",
+        )
+    return exact & supported
+
+
+def _apply_inexact_policy(
+    i: int,
+    ids: np.ndarray,
+    resp: np.ndarray,
+    lm: np.ndarray,
+    inexact: np.ndarray,
+    contains: np.ndarray,
+    policy: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[T, W]`` and loss mask ``[T]`` after the ``on_inexact`` policy acted on the
+    loss-bearing ``inexact`` rows (``ids`` and ``lm`` themselves are never modified)."""
+    if not inexact.any():
+        return ids, lm
+    if policy == "error":
+        tok = int(np.argmax(inexact))
+        raise ReplayDataError(
+            "exact", "loss-bearing support row is inexact (the sampler's support was wider "
+            "than the recorded row, or the row lacks the sampled token)", trajectory=i,
+            token=tok, expected="exact rows (on_inexact='error')",
+        )
+    if policy == "mask":
+        return ids, lm & ~inexact
+    missing = np.flatnonzero(inexact & ~contains)
+    if not missing.size:
+        return ids, lm
+    fixed = ids.copy()
+    last = (ids[missing] >= 0).sum(axis=1) - 1
+    fixed[missing, last] = resp[missing]
+    return fixed, lm
+
+
+def _count_synthetic_eos(i: int, resp: np.ndarray, empty: np.ndarray, eos: frozenset) -> int:
+    """1 when trajectory ``i`` has one loss-bearing row without support (``empty``, bool
+    ``[T]``) and its token is an EOS, 0 when it has none; anything else raises."""
+    if not empty.any():
+        return 0
+    where_empty = np.flatnonzero(empty)
+    if where_empty.size > 1:
+        raise ReplayDataError(
+            "support", f"{where_empty.size} loss-bearing tokens have no support row "
+            f"(tokens {where_empty[:8].tolist()})", trajectory=i, token=int(where_empty[1]),
+            expected="at most one per trajectory (the synthetic EOS)",
+        )
+    tok = int(where_empty[0])
+    if int(resp[tok]) not in eos:
+        raise ReplayDataError(
+            "support", f"loss-bearing token {int(resp[tok])} has no support row", trajectory=i,
+            token=tok, expected=f"support for every loss-bearing token but the EOS {sorted(eos)}",
+        )
+    return 1
 
 
 # --------------------------------------------------------------------------- helpers

@@ -1,16 +1,9 @@
 """Token-aligned traces that accumulate per-token metadata across the turns of a trajectory.
 
-A multi-turn trajectory is generated in several engine calls. Each call returns metadata
-for some tokens (routes, support rows); the trace appends them in token order and checks
-every call's row count, so that the final array lines up with the trajectory's tokens.
-
-* :class:`TokenMetadataTrace`: rows of a fixed schema (``shape[1:]`` and dtype), appended
-  with the number of rows the caller expects, concatenated once at the end.
-* :class:`RoutedExpertTrace`: routed experts across turns. A turn whose prompt starts with
-  ``prompt_start`` already-routed tokens asks the engine to skip them (vLLM's
-  ``routed_experts_prompt_start``) and receives routes for ``prompt[prompt_start:] +
-  generated[:-1]``: the last generated token was sampled but never fed through the model,
-  so it has no route until the next turn's prefill routes it.
+Each engine call of a multi-turn trajectory returns metadata for some of its tokens; a trace
+appends them in token order and checks every call's row count, so the final array lines up with
+the trajectory's tokens. :class:`TokenMetadataTrace` holds rows of a fixed schema;
+:class:`RoutedExpertTrace` holds routed experts across turns.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Wire format for numpy arrays inside orjson documents.
 
-An array travels as an *envelope*, a JSON object with exactly three keys, in this order::
-
-    {"data": "<base64 of the C-order little-endian bytes>", "shape": [d0, d1, ...], "dtype": "uint8"}
-
-``dtype`` is a numpy dtype name from :data:`DTYPES` (bool, signed and unsigned integers,
-float16/32/64). The bytes are always little-endian, whatever the host. The encoded size is
-``4 * ceil(nbytes / 3)`` characters plus a few dozen bytes of keys and shape: 1.33x the raw
-array, against 3-4x for ``json.dumps(arr.tolist())``.
-
-Decoding trusts nothing: the dtype is checked against an allow-list, the shape must be a
-list of non-negative (non-bool) ints with the expected ``ndim``, and the byte count the base64
-text decodes to (computed from its length and padding, without decoding) must equal
-``prod(shape) * itemsize`` before anything is allocated. There is no pickle and no eval; a
-claimed shape of 10**12 elements with a 10-byte payload is a ``ValueError`` in microseconds.
-Malformed input raises ``ValueError`` (wrong value) or ``TypeError`` (wrong Python type), never
-``KeyError`` or anything else.
-
-Speed. orjson spends most of its time on large strings (about 1 GB/s either way), pybase64 on
-the same bytes runs at over 10 GB/s. :func:`dumps` therefore serialises the document with a
-short placeholder per array and splices the base64 bytes in afterwards; :func:`loads` cuts the
-base64 text of ``{"data": "..."`` values out of the raw bytes before orjson parses the rest,
-then decodes each blob straight from the body. Both are exact: see :func:`loads` for why the
-splice cannot change what the document means.
-
-This module does not import torch. Objects with ``detach``/``cpu``/``numpy`` methods (torch
-tensors) are accepted by :func:`encode_array` through those methods.
+An array travels as an envelope ``{"data": <base64 of the little-endian C-order bytes>,
+"shape": [...], "dtype": "uint8"}``: 1.33x the raw bytes, against 3-4x for JSON lists.
+Decoding trusts nothing (dtype allow-list, shape checked, byte count computed from the base64
+length before anything is allocated, no pickle) and raises only ``ValueError`` / ``TypeError``.
+:func:`dumps` and :func:`loads` keep the base64 out of orjson, which is slow on large strings.
+No torch import; tensors are accepted through their ``detach``/``cpu``/``numpy`` methods.
 """
 
 from __future__ import annotations

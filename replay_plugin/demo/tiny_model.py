@@ -1,15 +1,11 @@
 """A tiny Qwen3-MoE checkpoint and tokenizer built locally (no hub access), deterministically.
 
 Used by the demo and by the vLLM/FSDP tests. ``build_tiny_moe(directory)`` writes a Hugging Face
-checkpoint (``config.json``, ``model.safetensors``, tokenizer files) that vLLM (float32, CPU) and
-transformers both load. The same arguments always give the same bytes; a directory that already
-holds a complete build with the same arguments is reused.
-
-vLLM's CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, ...} only, hence
-``head_dim=64`` (research/vllm.md). ``lm_head_scale`` sharpens the output distribution so that
-top-k/top-p truncation matters; ``tied_tokens`` gives groups of token ids identical output rows,
-so their logits tie exactly, and ``tie_group_size`` ties the whole vocabulary in runs of that
-many ids (the tie model of the vLLM tests and benchmark).
+checkpoint that vLLM (float32, CPU) and transformers both load; the same arguments give the same
+bytes, and a complete build with the same arguments is reused. ``head_dim=64`` because vLLM's
+CPU attention supports only some head sizes (32, 64, 80, 96, 112, 128, ...); ``lm_head_scale``
+sharpens the output distribution so that truncation matters, and ``tied_tokens`` /
+``tie_group_size`` make groups of ids tie exactly at the logits.
 """
 
 from __future__ import annotations

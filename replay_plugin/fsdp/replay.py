@@ -1,28 +1,12 @@
 """Sampler-support replay for FSDP trainers (HF models, remove-padding, Ulysses SP).
 
-An FSDP trainer scores the response tokens of a padded ``[B, S]`` batch (prompt left-padded,
-response in the last ``num_actions`` columns) with a Hugging Face model, in one of two layouts:
-
-* **padded**: the model sees ``[B, S]``; position ``(b, s)`` predicts token ``(b, s + 1)``;
-* **remove-padding** (``indices`` from ``unpad_input``): the model sees the valid tokens packed
-  as ``[1, nnz]`` in row-major order; a position predicts the next valid token of its row.
-
-With Ulysses sequence parallelism (``sp_group``) dim 1 of that layout is padded to a multiple of
-the SP size and each rank holds one contiguous slice, the partition of verl's and skyrl's
-``ulysses_pad_and_slice_inputs``; every rank of an SP group holds the same batch.
-
-:func:`response_logprobs` replaces the trainer's ``logprobs_from_logits`` + gather + unpad +
-``pad_input`` + response slice. It puts the sampled ids, support rows, loss mask and trajectory
-ids on the target side of every local position (next-token shift, padding removal, SP slice in
-one index), scores each local position over its recorded support (``replay_plugin.core.logprobs``),
-gathers the SP slices and returns ``[B, num_actions]``. Loss-bearing tokens without a support row
-(a synthetic EOS appended after the engine returned) get the ordinary full-vocabulary logprob,
-computed for exactly ``B`` rows on every rank whatever the data. With ``replay=False`` it is the
-ordinary full-vocabulary path (the trainer's own numbers).
-
-Collectives: one all-gather over ``sp_group`` per call (none without SP), in both modes, for any
-data. Every check that can reject data runs before it on metadata all SP ranks share, or after it
-on gathered values, so ranks raise together instead of leaving a peer in the collective.
+:func:`response_logprobs` replaces a trainer's ``logprobs_from_logits`` + gather + unpad +
+``pad_input`` + response slice: it moves sampled ids, support rows and loss mask to the
+positions that predict them (padded or remove-padding layout, Ulysses SP slice), scores each
+over its recorded support (``replay_plugin.core.logprobs``), gives a synthetic EOS its
+full-vocabulary logprob, and returns ``[B, num_actions]``. With ``replay=False`` it is the
+ordinary full-vocabulary path. One all-gather over ``sp_group`` per call whatever the data;
+every check that can reject data runs where all SP ranks reject together.
 """
 
 from __future__ import annotations
@@ -284,7 +268,16 @@ def _replay_metadata(input_ids, mask, num_actions, support_ids, loss_mask, width
     tmask = torch.zeros((batch, seq), dtype=torch.bool, device=device)
     tmask[:, seq - num_actions :] = lm
     support = support.long()
+    _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, num_actions)
+    return support, tmask
 
+
+def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, num_actions) -> None:
+    """Reject, naming trajectory and response token: support ids ``[B, S, W]`` outside the
+    vocabulary, loss-bearing tokens (``tmask`` ``[B, S]``) without a predicting position, loss-
+    bearing rows that lack their token, and a second unsupported loss-bearing token in a row.
+    One host sync; rows are located only on failure."""
+    seq = input_ids.shape[1]
     supported = (support >= 0).any(dim=2)
     contains = (support == input_ids.unsqueeze(2).long()).any(dim=2)
     no_predictor = tmask & ~(predictor_of & mask)
@@ -293,34 +286,34 @@ def _replay_metadata(input_ids, mask, num_actions, support_ids, loss_mask, width
     extra = unsupported & (unsupported.cumsum(dim=1) > 1)
     outside = (support >= vocab).any(dim=2) | (support < -1).any(dim=2)
     checks = torch.stack([outside.any(), no_predictor.any(), not_member.any(), extra.any()]).tolist()
-    if any(checks):
-        first = seq - num_actions
-        if checks.pop(0):
-            b, s = (int(v) for v in outside.nonzero()[0])
-            raise ReplayDataError(
-                "support_ids", f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
-                trajectory=b, token=s - first, expected=f"ids in [0, {vocab}) and -1 padding",
-            )
-        if checks[0]:
-            b, s = (int(v) for v in no_predictor.nonzero()[0])
-            raise ReplayDataError(
-                "loss_mask", "loss-bearing token has no predicting position (it is its row's first valid token, "
-                "or a padding position)", trajectory=b, token=s - first,
-                expected="loss only on valid tokens that follow another valid token",
-            )
-        if checks[1]:
-            b, s = (int(v) for v in not_member.nonzero()[0])
-            raise ReplayDataError(
-                "support_ids", f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
-                trajectory=b, token=s - first, expected="every loss-bearing support row to contain its sampled token",
-            )
-        b = int(extra.nonzero()[0, 0])
-        tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
+    if not any(checks):
+        return
+    first = seq - num_actions
+    if checks.pop(0):
+        b, s = (int(v) for v in outside.nonzero()[0])
         raise ReplayDataError(
-            "support_ids", f"response tokens {tokens} are loss-bearing without a support row", trajectory=b,
-            token=tokens[0], expected="support for every loss-bearing token but one synthetic EOS per trajectory",
+            "support_ids", f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
+            trajectory=b, token=s - first, expected=f"ids in [0, {vocab}) and -1 padding",
         )
-    return support, tmask
+    if checks[0]:
+        b, s = (int(v) for v in no_predictor.nonzero()[0])
+        raise ReplayDataError(
+            "loss_mask", "loss-bearing token has no predicting position (it is its row's first valid token, "
+            "or a padding position)", trajectory=b, token=s - first,
+            expected="loss only on valid tokens that follow another valid token",
+        )
+    if checks[1]:
+        b, s = (int(v) for v in not_member.nonzero()[0])
+        raise ReplayDataError(
+            "support_ids", f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
+            trajectory=b, token=s - first, expected="every loss-bearing support row to contain its sampled token",
+        )
+    b = int(extra.nonzero()[0, 0])
+    tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
+    raise ReplayDataError(
+        "support_ids", f"response tokens {tokens} are loss-bearing without a support row", trajectory=b,
+        token=tokens[0], expected="support for every loss-bearing token but one synthetic EOS per trajectory",
+    )
 
 
 # --------------------------------------------------------------------------- scoring

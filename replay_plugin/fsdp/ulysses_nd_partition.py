@@ -1,34 +1,13 @@
 """Patches ``ulysses.nd_partition`` (verl) and ``ulysses.nd_partition_skyrl`` (skyrl): Ulysses
 pad-and-slice for per-token metadata ``[batch, seq, ...]``.
 
-The upstream gap. Ulysses sequence parallelism pads the remove-padding sequence ``[1, nnz]`` to a
-multiple of the SP size and gives each SP rank one contiguous slice. Per-token metadata (support
-rows ``[1, nnz, W]``, loss masks, trajectory ids, routes) must take exactly the same partition,
-and pad with its own value (``-1`` for support rows, ``False`` for masks), not 0.
-
-- verl 0.9.1, ``verl.utils.ulysses.ulysses_pad``: ``_, total_seq_len = input_ids_rmpad.shape``
-  raises ``ValueError: too many values to unpack`` on 3-D input, and its
-  ``torch.nn.functional.pad(x, (0, pad_size), value=pad_value)`` pads the *last* dimension, so
-  even a reshaped input would be padded along the wrong axis. It also asserts
-  ``input_ids_rmpad.size(-1) == position_ids_rmpad.size(-1)``, which compares the trailing
-  metadata dimension with the sequence length. ``ulysses_pad_and_slice_inputs`` calls it and
-  then slices dim 1, which itself works for any rank. No upstream issue or fix as of 0.9.1.
-- skyrl 0.4.0, ``skyrl.backends.skyrl_train.distributed.ulysses.utils.ulysses_pad_and_slice_inputs``:
-  already pads dim 1 with ``input_padding_value`` (the SkyRL sampler-support PR's change), so the
-  probe reports ``not-needed``; the spec exists so that a release without it is detected.
-
-The probe runs the unwrapped upstream function on a ``[1, 5, 3]`` input with ``sp_size=2`` and
-padding value ``-7`` and checks that the padded ``[1, 6, 3]`` tensor keeps the input and holds
-``-7`` in the new row (position ids padded too). ``ulysses_pad_and_slice_inputs`` needs a
-Ulysses group and slices by rank: the probe runs a copy of the function whose module globals
-give it a stand-in group and an identity ``slice_input_tensor``, so it needs no process group and
-sees the padded tensor before slicing. Any exception means the gap is there.
-
-The wrapper leaves 2-D input to upstream untouched. For ``[batch, seq, ...]`` input it runs the
-upstream function itself on the 2-D position index ``arange(seq)`` (padded with ``-1``), so the
-upstream's own padding, position-id padding, SP rank and slicing decide the partition, and then
-gathers the metadata at the returned positions, writing the caller's padding value where the
-index is ``-1``. Keyword names, argument order and return values stay the upstream's.
+Gap (verl 0.9.1, no upstream issue or fix): ``ulysses_pad`` unpacks a 2-D shape, pads the last
+dimension and asserts on ``size(-1)``, so support rows, masks and trajectory ids cannot follow
+the tokens through sequence parallelism. skyrl 0.4.0's copy already pads dim 1 with
+``input_padding_value`` (its probe reports ``not-needed``; the spec catches a release that loses
+it). The probe runs the unwrapped upstream on a ``[1, 5, 3]`` input; the wrapper leaves 2-D
+input to upstream and partitions N-D input by running upstream on a position index and
+gathering the metadata at the positions it returns. Remove when upstream pads N-D input.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Patch ``megatron.expert_bias_padding_mask``: count expert-bias tokens with a ``[tokens]``
 padding mask broadcast over the experts.
 
-The upstream bug (megatron-core 0.16.0 - 0.19.2, NVIDIA/Megatron-LM issue #6111, fixed on
-``main`` by PR #6114, in no release as of 0.19.2): ``TopKRouter.routing`` flattens the padding
-mask to ``[tokens]`` and hands it to ``TopKRouter._apply_expert_bias``, which computes
-``routing_map & ~padding_mask`` with ``routing_map`` ``[tokens, experts]``. Broadcasting lines
-the token axis of the mask up against the *expert* axis of the map:
-
-* tokens != experts: a training forward (grad enabled) with aux-loss-free expert bias
-  (``moe_router_enable_expert_bias``) and a padding mask raises ("The size of tensor a (E) must
-  match the size of tensor b (T)"; under ``torch.compile``, which ``jit_fuser`` is on torch >=
-  2.2, a ``TorchRuntimeError`` about broadcasting);
-* tokens == experts: no error; whole expert *columns* are masked, so the counts that drive the
-  next expert-bias update are silently wrong (e.g. ``[2, 2, 2, 0]`` instead of ``[1, 2, 2, 1]``).
-
-Upstream's own test of the mask runs under ``no_grad`` with expert bias off, which is why it
-passed. Replay always passes a padding mask (the router padding mask), so every R3 training
-step with expert bias hits this.
-
-The probe runs the *unwrapped* upstream function (``inspect.unwrap`` removes this plugin's
-wrapper and ``torch.compile``'s, so the probe neither compiles nor sees our fix) on a stand-in
-router with 3 tokens and 4 experts under grad. An upstream that counts ``[1, 1, 1, 1]`` (valid
-rows 0 and 2) is fixed and the patch reports ``not-needed``; one that raises or miscounts is
-patched. The result does not depend on the version number.
-
-The wrapper masks the routing map itself (``routing_map & ~mask[:, None]``) and calls the
-original with ``padding_mask=None``, so the original only counts: correct whether or not the
-original handles the mask, and ``torch.compile`` keeps compiling the original.
+Bug (megatron-core 0.16.0 - 0.19.2, NVIDIA/Megatron-LM issue #6111): ``TopKRouter._apply_expert_bias``
+computes ``routing_map & ~padding_mask`` with a ``[tokens, experts]`` map and a ``[tokens]`` mask,
+so broadcasting lines tokens up with experts: a training forward with expert bias raises when
+tokens != experts and miscounts silently when they are equal. Replay always passes a padding
+mask. The probe runs the unwrapped upstream on a 3-token, 4-expert stand-in router; the wrapper
+masks the routing map itself and calls the original with ``padding_mask=None``. Fixed by PR
+#6114 (on ``main``, in no release as of 0.19.2); remove once the oldest supported release has it.
 """
 
 from __future__ import annotations

@@ -1,57 +1,14 @@
-"""Routed-expert replay (R3) for Megatron trainers: one call per microbatch in ``forward_step``.
+"""Routed-expert replay (R3) for Megatron trainers: :func:`replay_routes`, once per microbatch.
 
-:func:`replay_routes` takes the batch's recorded routes ``[B, S, L, K]`` (compact dtype, from
-:func:`replay_plugin.core.routes.pad_batch`), the router padding mask ``[B, S]`` (True = no
-recorded route) and the microbatch's :class:`~replay_plugin.core.layout.TokenMetadataLayout`,
-and installs replay data on the routers of the model chunk being run:
-
-1. The routers are found by walking the model chunk (``TopKRouter`` modules with a
-   ``RouterReplay``), each keyed by its own global layer number (``TransformerLayer`` gives it
-   the 1-based number including the pipeline / virtual-pipeline offset). Not by position in
-   ``RouterReplay.global_router_replay_instances``: that list holds every router ever built in
-   the process (a reference model, a rebuilt decoder) and all virtual-pipeline chunks, so
-   upstream's ``RouterReplay.set_replay_data`` raises or misroutes as soon as there are two.
-   MTP routers (numbered from 1 per depth, colliding with decoder layers) are not replayed;
-   they route themselves.
-2. Only this stage's layers are selected, still compact, then moved to the layout's device,
-   aligned to the model's input layout (unpacked / packed / context-parallel shard; padding
-   rows are the dummy route ``[0..K-1]``), sliced for sequence parallelism, put in the routers'
-   token order and converted to int32: only the local slice is ever int32.
-3. Each router gets its data through ``RouterReplay.set_target_indices`` (forward target plus
-   backward FIFO entry) and the ``REPLAY_FORWARD`` action. A forward hook on the model chunk
-   switches those routers to ``REPLAY_BACKWARD`` when the forward returns, so activation
-   recompute in the backward pass pops the same data, also with 1F1B pipelining (each router's
-   FIFO only holds the microbatches that ran through its chunk, in forward order, which is the
-   backward order).
-4. Rows marked in the router padding mask are routed by the trainer's own router when the
-   ``megatron.replay_padding_fallback`` patch is applied (the synthetic-EOS contract of
-   :mod:`replay_plugin.core.routes`); without it they replay the dummy route.
-
-The returned :class:`MicrobatchReplay` carries the ``padding_mask`` to pass to the model (it
-keeps padding out of the aux loss and the expert-bias counts): ``[B, A]`` / ``[1, T / cp]``,
-already scattered for sequence parallelism where the model will not scatter it itself (every
-pipeline stage but a ``GPTModel``'s first).
-
-State is cleared after every schedule by the ``megatron.router_replay_scope`` patch; outside
-schedules use :func:`clear_routes`.
-
-Usage, in a trainer's ``forward_step`` (unpacked; for packed/THD batches build the layout with
-``packed=True, align=tp * cp * 2 if cp > 1 else tp, cp_size=cp, cp_rank=cp_rank`` and pass
-``PackedSeqParams`` from ``layout.cu_seqlens_padded``)::
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)  # input_ids, attention_mask [B, S]; routes, router_padding_mask from pad_batch
-        layout = TokenMetadataLayout.build(mb["attention_mask"], packed=False, align=tp_size)
-        replay = replay_routes(model, mb["routes"], mb["router_padding_mask"], layout)
-        input_ids = layout.align(mb["input_ids"], pad_token_id)  # [B, A]
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        output = model(input_ids, position_ids, None, padding_mask=replay.padding_mask)
-        return output, loss_func
-
-Refused up front (:class:`ReplayConfigError`), because replay would silently do nothing:
-``moe_router_fusion=True`` (the fused top-k returns before ``RouterReplay`` is consulted),
-``sinkhorn`` / ``quantile_balancing`` routing (they never call it), routers without a layer
-number; and a model whose routers were built with ``moe_enable_routing_replay=False``.
+Called in ``forward_step`` before the model's forward, it installs the batch's recorded routes
+``[B, S, L, K]`` on the routers of the model chunk being run: each router keyed by its own
+global layer number (upstream's ``RouterReplay.set_replay_data`` indexes a process-global list
+and misroutes as soon as there are two models or virtual-pipeline chunks), only this stage's
+layers, aligned to the model's input layout and sequence-parallel shard, switched to
+``REPLAY_BACKWARD`` when the chunk's forward returns. Pass the returned ``padding_mask`` to the
+model. Configurations where replay would silently do nothing are refused
+(:class:`ReplayConfigError`). The ``megatron.router_replay_scope`` patch clears the state after
+each schedule; outside schedules call :func:`clear_routes`.
 """
 
 from __future__ import annotations
@@ -96,37 +53,7 @@ class _ModelState:
     """What :func:`replay_routes` needs to know about one model chunk (computed once)."""
 
     def __init__(self, model: Any) -> None:
-        routers: list[_Router] = []
-        disabled: list[str] = []
-        lm = None
-        for name, module in model.named_modules():
-            if lm is None and hasattr(module, "pre_process") and hasattr(module, "decoder"):
-                lm = module
-            if not hasattr(module, "router_replay") or not hasattr(module, "routing"):
-                continue
-            if getattr(module, "is_mtp_layer", False) or "mtp" in name.split("."):
-                continue  # MTP routers: layer numbers collide with decoder layers (NeMo-RL #3903)
-            replay = module.router_replay
-            if replay is None:
-                disabled.append(name)
-                continue
-            _check_router(module, name)
-            routers.append(_Router(module, replay, int(module.layer_number) - 1, name))
-        if disabled:
-            raise ReplayConfigError(
-                "moe_enable_routing_replay",
-                f"routers {disabled[:3]} were built without a RouterReplay",
-                expected="TransformerConfig(moe_enable_routing_replay=True) when the model is built",
-            )
-        seen: dict[int, str] = {}
-        for r in routers:
-            if r.layer in seen:
-                raise ReplayConfigError(
-                    "layer_number",
-                    f"routers {seen[r.layer]} and {r.name} share layer number {r.layer + 1}",
-                    expected="one router per global layer number",
-                )
-            seen[r.layer] = r.name
+        routers, lm = _collect_routers(model)
         self.routers: tuple[_Router, ...] = tuple(routers)
         self.layer_numbers = tuple(r.layer + 1 for r in routers)
         config = routers[0].module.config if routers else getattr(lm, "config", None)
@@ -148,6 +75,44 @@ class _ModelState:
         )
         self.pending: Optional[MicrobatchReplay] = None
         self.hook = None
+
+
+def _collect_routers(model: Any) -> tuple[list[_Router], Any]:
+    """The replayable decoder routers of a model chunk, in module order, each checked and keyed
+    by its global layer number, and the chunk's language model (the first module with
+    ``pre_process`` and ``decoder``; None when there is none)."""
+    routers: list[_Router] = []
+    disabled: list[str] = []
+    lm = None
+    for name, module in model.named_modules():
+        if lm is None and hasattr(module, "pre_process") and hasattr(module, "decoder"):
+            lm = module
+        if not hasattr(module, "router_replay") or not hasattr(module, "routing"):
+            continue
+        if getattr(module, "is_mtp_layer", False) or "mtp" in name.split("."):
+            continue  # MTP routers: layer numbers collide with decoder layers (NeMo-RL #3903)
+        replay = module.router_replay
+        if replay is None:
+            disabled.append(name)
+            continue
+        _check_router(module, name)
+        routers.append(_Router(module, replay, int(module.layer_number) - 1, name))
+    if disabled:
+        raise ReplayConfigError(
+            "moe_enable_routing_replay",
+            f"routers {disabled[:3]} were built without a RouterReplay",
+            expected="TransformerConfig(moe_enable_routing_replay=True) when the model is built",
+        )
+    seen: dict[int, str] = {}
+    for r in routers:
+        if r.layer in seen:
+            raise ReplayConfigError(
+                "layer_number",
+                f"routers {seen[r.layer]} and {r.name} share layer number {r.layer + 1}",
+                expected="one router per global layer number",
+            )
+        seen[r.layer] = r.name
+    return routers, lm
 
 
 def _default_groups() -> tuple[Any, Any]:
@@ -390,10 +355,6 @@ def replay_routes(
             ids out of range (naming the trajectory and token), a layout that does not fit
             the model's parallelism, or the previous microbatch's forward never finished.
     """
-    import torch
-
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     from replay_plugin.core.layout import TokenMetadataLayout
 
     if not isinstance(layout, TokenMetadataLayout):
@@ -402,18 +363,59 @@ def replay_routes(
     batch_shape = tuple(layout.attention_mask.shape)
     routes_t = _check_routes(routes, batch_shape, state)  # type: ignore[arg-type]
     mask = _check_mask(router_padding_mask, batch_shape)  # type: ignore[arg-type]
-    device = layout.attention_mask.device
+    _retire_pending(state)
+    shard = _sequence_shard(state, layout)
+    mask = mask.to(layout.attention_mask.device)
+    model_mask, mask_local = _padding_masks(mask, layout, state, shard)
+    # Routers see hidden states [seq, batch]: token n = s * batch + b.
+    own_rows = mask_local.transpose(0, 1).reshape(-1)
+    if not state.routers:
+        return MicrobatchReplay(model_mask, (), (), own_rows, (), None, True)
+    data = _local_replay_data(routes_t, mask, mask_local, layout, state, shard)
+    _install(state.routers, data, own_rows)
+    replay = MicrobatchReplay(model_mask, state.layer_numbers, tuple(data), own_rows, state.routers, state)
+    state.pending = replay
+    return replay
+
+
+def _retire_pending(state: _ModelState) -> None:
+    """Forget the previous microbatch, refusing when its forward never switched its routers to
+    ``REPLAY_BACKWARD`` (the next install would then misalign the backward FIFOs)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     pending = state.pending
-    if pending is not None:
-        if any(r.replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD for r in pending._routers):
-            raise ReplayDataError(
-                "model",
-                "the previous microbatch's forward never returned through the model chunk passed to replay_routes, so its routers were not switched to REPLAY_BACKWARD",
-                expected="model(...) called on that chunk after each replay_routes(); else call MicrobatchReplay.switch_to_backward() or clear_routes(model)",
-            )
-        state.pending = None
+    if pending is None:
+        return
+    if any(r.replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD for r in pending._routers):
+        raise ReplayDataError(
+            "model",
+            "the previous microbatch's forward never returned through the model chunk passed to replay_routes, so its routers were not switched to REPLAY_BACKWARD",
+            expected="model(...) called on that chunk after each replay_routes(); else call MicrobatchReplay.switch_to_backward() or clear_routes(model)",
+        )
+    state.pending = None
 
+
+@dataclasses.dataclass(frozen=True)
+class _SequenceShard:
+    """This rank's part of the aligned token axis (``length`` tokens per row): the whole axis,
+    or under sequence parallelism (``active``) the ``tp_rank``-th of ``tp_size`` equal chunks."""
+
+    active: bool
+    tp_size: int
+    tp_rank: int
+    length: int
+
+    def local(self, x: "torch.Tensor") -> "torch.Tensor":
+        """``[rows, length, ...]`` -> ``[rows, length / tp, ...]`` (a view; unchanged when inactive)."""
+        if not self.active:
+            return x
+        chunk = self.length // self.tp_size
+        return x[:, self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
+
+
+def _sequence_shard(state: _ModelState, layout: "TokenMetadataLayout") -> _SequenceShard:
+    """Check that ``layout`` was built for this rank's context-parallel group and fits sequence
+    parallelism; return this rank's sequence shard."""
     cp_size, cp_rank = _group_size_rank(state.cp_group)
     if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
         raise ReplayDataError(
@@ -422,44 +424,62 @@ def replay_routes(
             expected=f"rank {cp_rank} of {cp_size} (this process)",
         )
     tp_size, tp_rank = _group_size_rank(state.tp_group)
-    shard_sequence = state.sequence_parallel and tp_size > 1
-    rows, length = layout.output_shape
-    if shard_sequence and length % tp_size:
+    active = state.sequence_parallel and tp_size > 1
+    _, length = layout.output_shape
+    if active and length % tp_size:
         raise ReplayDataError(
             "layout",
             f"{length} tokens per row with alignment {layout.alignment}",
             expected=f"a multiple of tensor_model_parallel_size {tp_size} under sequence parallelism (build the layout with align = tp [* 2 * cp when packed])",
         )
+    return _SequenceShard(active, tp_size, tp_rank, length)
 
-    mask = mask.to(device)
+
+def _padding_masks(
+    mask: "torch.Tensor", layout: "TokenMetadataLayout", state: _ModelState, shard: _SequenceShard
+) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """From the router padding mask ``[B, S]`` (True = no route): the mask to hand the model
+    (aligned ``[rows, length]``, or this rank's shard ``[rows, length / tp]`` where the model
+    does not scatter it itself) and this rank's shard of the aligned mask."""
     mask_aligned = layout.align(mask, True)  # [rows, length], True = no route
-    if shard_sequence:
-        chunk = length // tp_size
-        mask_local = mask_aligned[:, tp_rank * chunk : (tp_rank + 1) * chunk]
-    else:
-        mask_local = mask_aligned
-    model_mask = mask_aligned if (state.model_scatters_mask or not shard_sequence) else mask_local.contiguous()
-    # Routers see hidden states [seq, batch]: token n = s * batch + b.
-    own_rows = mask_local.transpose(0, 1).reshape(-1)
+    mask_local = shard.local(mask_aligned)
+    model_mask = mask_aligned if (state.model_scatters_mask or not shard.active) else mask_local.contiguous()
+    return model_mask, mask_local
 
-    if not state.routers:
-        return MicrobatchReplay(model_mask, (), (), own_rows, (), None, True)
 
+def _local_replay_data(
+    routes: "torch.Tensor",
+    mask: "torch.Tensor",
+    mask_local: "torch.Tensor",
+    layout: "TokenMetadataLayout",
+    state: _ModelState,
+    shard: _SequenceShard,
+) -> list["torch.Tensor"]:
+    """Per router of this stage, its int32 ``[N, K]`` replay data in the routers' token order
+    (sequence-major, ``N = length_local * rows``), from the compact routes ``[B, S, L, K]``."""
+    import torch
+
+    device = layout.attention_mask.device
     local = [r.layer for r in state.routers]
-    if max(local) >= routes_t.shape[2]:
-        raise ReplayDataError("routes", f"{routes_t.shape[2]} layers", expected=f"more than {max(local)} (router layer {max(local) + 1})")
-    selected = select_layers(routes_t, local).to(device, non_blocking=True)  # compact [B, S, L_local, K]
+    if max(local) >= routes.shape[2]:
+        raise ReplayDataError("routes", f"{routes.shape[2]} layers", expected=f"more than {max(local)} (router layer {max(local) + 1})")
+    selected = select_layers(routes, local).to(device, non_blocking=True)  # compact [B, S, L_local, K]
     _check_expert_ids(selected, layout.attention_mask & ~mask, state)
     topk = selected.shape[-1]
     dummy = torch.arange(topk, dtype=selected.dtype, device=device)
-    aligned = layout.align(selected, dummy)  # [rows, length, L_local, K]
-    if shard_sequence:
-        aligned = aligned[:, tp_rank * chunk : (tp_rank + 1) * chunk]
+    aligned = shard.local(layout.align(selected, dummy))  # [rows, length_local, L_local, K]
     # Rows without a route get the dummy route whatever the caller put there (e.g. -1): the
     # replay path gathers scores at every row's indices, and stock replay routes to them. The
     # result is laid out sequence-major, the routers' token order (hidden states are [seq, batch]).
     seq_major = torch.where(mask_local.transpose(0, 1)[:, :, None, None], dummy, aligned.transpose(0, 1))
-    data = split_for_replay(seq_major)  # L_local x [N, K] int32, the only int32 copy
+    return split_for_replay(seq_major)  # L_local x [N, K] int32, the only int32 copy
+
+
+def _install(routers: tuple[_Router, ...], data: list["torch.Tensor"], own_rows: "torch.Tensor") -> None:
+    """Give each router its ``[N, K]`` data (forward target and backward FIFO entry) and the
+    ``REPLAY_FORWARD`` action; mark ``own_rows`` ``[N]`` for the trainer's own routing when the
+    ``megatron.replay_padding_fallback`` patch is applied (warn once when it is not)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     global _fallback_warned
     fallback = _fallback_active()
@@ -471,14 +491,11 @@ def replay_routes(
         )
     from replay_plugin.megatron.replay_padding_fallback import mark_own_rows
 
-    for r, t in zip(state.routers, data):
+    for r, t in zip(routers, data):
         if fallback:
             mark_own_rows(t, own_rows)
         r.replay.set_target_indices(t)
         r.replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    replay = MicrobatchReplay(model_mask, state.layer_numbers, tuple(data), own_rows, state.routers, state)
-    state.pending = replay
-    return replay
 
 
 def clear_routes(model: Any) -> None:

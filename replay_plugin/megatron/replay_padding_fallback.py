@@ -1,29 +1,13 @@
 """Patch ``megatron.replay_padding_fallback``: rows without a recorded route are routed by the
 trainer's own router during replay.
 
-The upstream gap (megatron-core 0.16.0 - 0.19.2, ``RouterReplay.get_replay_topk``): under
-``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` every token takes the replayed indices; there is no
-per-token way to say "no route was recorded here". Replay data therefore carries a dummy
-route ``[0, 1, ..., K-1]`` in such rows (distinct experts keep the dropless dispatcher's
-``tokens * topk`` invariant). That is harmless for alignment padding and for tokens no
-loss-bearing target depends on, but wrong for a synthetic EOS appended after generation: its
-source token was never routed by the engine (:class:`replay_plugin.core.trace.RoutedExpertTrace`
-marks it True in the router padding mask), and a dummy route computes the EOS logprob from
-experts nobody chose. The plugin's contract for ``router_padding_mask`` is that the trainer's
-own router routes such a token, like an unreplayed trainer would.
-
-No probe: upstream has no per-row replay at any version (the patch is a feature the replay
-driver relies on; with it off, rows marked in the padding mask replay the dummy route).
-
-The wrapper, around ``RouterReplay.get_replay_topk``: when the replay tensor about to be used
-(``target_topk_idx`` for ``REPLAY_FORWARD``, the head of ``replay_backward_list`` for
-``REPLAY_BACKWARD``) carries an own-rows mask (attached by :func:`mark_own_rows`, which the
-replay driver calls), the original runs as usual (so the backward FIFO is consumed exactly as
-upstream does), the router's default top-k is computed on the same scores, and rows marked
-True take the router's own experts; probabilities are gathered from the scores at the final
-indices, as upstream does for replayed rows (gate weights keep their gradient). Replay tensors
-without the mark, and every other action, pass through untouched. No host sync: the merge is
-one ``torch.where``.
+Gap (megatron-core 0.16.0 - 0.19.2, ``RouterReplay.get_replay_topk``): under replay every token
+takes the replayed indices; there is no per-token "no route recorded here". Such rows carry the
+dummy route ``[0..K-1]``, which is wrong for a synthetic EOS appended after generation (its
+logprob would come from experts nobody chose). The wrapper gives rows marked by
+:func:`mark_own_rows` (the replay driver marks the router padding mask) the router's own top-k,
+with one ``torch.where`` and no host sync. No probe: no release has per-row replay. Remove when
+``RouterReplay`` supports a per-token mask of rows to route normally.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Patch ``megatron.router_layer_number``: record each router's global layer number on its
 ``RouterReplay``.
 
-The upstream gap (megatron-core 0.16.0 - 0.18.x): ``RouterReplay`` instances live in one
-process-global list in construction order and carry no layer identity. Code that maps
-per-layer routes onto them (SkyRL, NeMo-RL, verl) needs the global layer number to place a
-pipeline stage's layers, virtual-pipeline chunks, dense-first layer patterns (DeepSeek-V3
-style: the first MoE router is not layer 1) and rebuilt models. ``TransformerLayer`` computes
-the global, 1-based, pipeline-offset number and hands it down through
-``MoELayer.set_layer_number`` to ``Router.set_layer_number``, which stores it on the router only.
-0.19.0 (NVIDIA/Megatron-LM PR #5220) added ``RouterReplay.layer_number`` and sets it there.
-
-Note (upstream, all versions): MTP layers skip the pipeline offset and number their routers
-from 1 per MTP depth, so they collide with decoder layer numbers (NeMo-RL PR #3903); the
-replay driver does not replay MTP routers.
-
-The probe calls the unwrapped upstream ``set_layer_number`` on a stand-in router whose
-``router_replay`` has ``layer_number = None``: if the number arrives there, upstream already
-does it (0.19+) and the patch reports ``not-needed``.
-
-The wrapper calls the original, then sets ``router.router_replay.layer_number``.
+Gap (megatron-core 0.16.0 - 0.18.x): ``RouterReplay`` instances live in one process-global list
+and carry no layer identity, so pipeline stages, virtual-pipeline chunks, dense-first layer
+patterns and rebuilt models cannot be mapped onto them. The wrapper calls the original
+``Router.set_layer_number`` and copies the number to ``router.router_replay.layer_number``; the
+probe reports ``not-needed`` where upstream already does it. Fixed in 0.19.0 (NVIDIA/Megatron-LM
+PR #5220); remove when that is the oldest supported megatron-core.
 """
 
 from __future__ import annotations

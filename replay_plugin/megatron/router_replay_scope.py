@@ -1,42 +1,13 @@
 """Patch ``megatron.router_replay_scope``: scope RouterReplay state to one pipeline schedule.
 
-The upstream gap (megatron-core 0.16.0 - 0.19.2, ``transformer/moe/router_replay.py``):
-``RouterReplay`` keeps process-global state. ``set_target_indices`` sets the forward target
-*and appends it to* ``replay_backward_list``; ``REPLAY_BACKWARD`` drains that list with
-``pop(0)`` during activation recompute. Nothing in Megatron clears it (no Megatron code sets a
-replay action outside ``router_replay.py`` except inference's ``RECORD``), so a forward-only
-schedule (logprob or reference pass) leaves its entries behind and the next training step's
-recompute replays the stale routes of the logprob pass, or fails with a size error when the
-token counts differ. Reproduced on CPU with 0.16.1 and 0.19.2 (tests/integration/megatron).
-No upstream issue reports it; every RL framework clears the state itself (verl, SkyRL #1908,
-NeMo-RL, AReaL).
-
-A second leak: the schedules never enter ``no_grad`` for ``forward_only=True``, so a
-forward-only pass run with grad enabled adds its tokens to every router's expert-bias counts
-(``local_tokens_per_expert``; also the global-aux-loss and quantile-balancing accumulators of
-newer releases). ``finalize_model_grads`` resets them only after a training step, so the
-logprob pass's tokens pollute the next expert-bias update.
-
-The wrapper, around each of the three ``forward_backward_*`` functions (every binding
-``get_forward_backward_func`` returns resolves them from the module at call time, and
-``combined_1f1b`` / hybrid-CP schedules run inside ``forward_backward_no_pipelining``):
-
-* before the schedule, drops backward-FIFO entries that were not installed since the previous
-  schedule ended, and targets when nothing was installed. What the caller installed for this
-  schedule (``set_target_indices`` / ``set_replay_data`` before the schedule starts, as SkyRL
-  does) stays: a second wrapper around ``RouterReplay.set_target_indices`` counts the entries
-  appended per instance since the last schedule ended. Appends go to the end of the FIFO and
-  ``pop(0)`` takes from the front, so the fresh entries are always the last ``min(count,
-  len)`` ones (no object identity involved: a caller may install the same tensor twice);
-* in ``finally`` (also on exceptions): clears every instance's target and FIFO and the replay
-  action (recorded indices are kept for callers that read them after the schedule);
-* with ``forward_only=True``: restores the token-count accumulators of every router inside
-  the model chunk(s) being run to the values they had before the schedule (saved with one
-  ``torch.cat`` into a per-chunk staging buffer; copied back only where the tensor's version
-  counter moved, so a pass under ``no_grad`` costs no copy). Schedules of one chunk are not
-  run concurrently from several threads (Megatron's are not thread-safe either).
-
-Nested schedule calls are scoped by the outermost one only.
+Gap (megatron-core 0.16.0 - 0.19.2; no upstream issue, every RL framework clears it itself):
+``RouterReplay`` keeps process-global state that nothing in Megatron clears, so a forward-only
+schedule (logprob pass) leaves backward-FIFO entries that the next training step's recompute
+replays (or fails on), and a forward-only pass with grad enabled adds its tokens to the routers'
+expert-bias counts. The wrapper, around each ``forward_backward_*`` schedule, drops stale FIFO
+entries before the schedule (keeping what the caller installed for it), clears targets, FIFOs
+and actions afterwards, and restores the token counts after a forward-only schedule. Remove when
+Megatron scopes that state to a schedule and skips counting in forward-only schedules.
 """
 
 from __future__ import annotations

@@ -1,76 +1,12 @@
 """Sampler-support replay for Megatron trainers: score rollout tokens over their recorded support.
 
-With top-k / top-p / min-p sampling the rollout engine draws each token from a truncated,
-renormalised distribution, while a Megatron trainer scores it over the full vocabulary
-(``vocab_parallel_cross_entropy``). The two differ by the log of the probability mass the
-sampler kept, which is the train-inference gap this module closes: the trainer renormalises
-each sampled token's logprob over exactly the support recorded at rollout
-(:mod:`replay_plugin.core.logprobs`, DESIGN.md "Support-renormalised logprob").
-
-Two entry points:
-
-* :func:`support_logprobs`: the low-level call on the model's vocab-parallel output
-  ``[b, s, V/tp]`` with ids already aligned to the logits' positions; the tensor-parallel group
-  and this rank's vocabulary range come from ``megatron.core.parallel_state``.
-* :func:`replay_response_logprobs`: the call for a trainer's loss / logprob function. It takes
-  the model output (logits, or hidden states and the output layer's weight for the fused path
-  that never materialises ``[tokens, V/tp]``), the batch's input ids ``[B, S]``, the dense
-  support batch ``[B, S, W]`` and the response loss mask in the same grid, and the microbatch's
-  :class:`~replay_plugin.core.layout.TokenMetadataLayout` (unpacked, packed, context parallel).
-  It shifts sampled ids, support rows and the loss mask to the positions that predict them,
-  scores every loss-bearing token over its support, gives each trajectory's synthetic EOS (a
-  loss-bearing token without support, appended after the engine returned) its
-  full-vocabulary logprob with a fixed number of collectives, and returns logprobs in batch
-  layout ``[B, S - 1]`` (``[B, num_actions]`` when asked). Without support it returns
-  Megatron's own full-vocabulary logprobs (``-vocab_parallel_cross_entropy``), so one code
-  path serves replay on and off.
-
-Usage, in a trainer's ``forward_step`` (unpacked; packed/THD: ``packed=True, align=tp * cp * 2
-if cp > 1 else tp, cp_size=cp, cp_rank=cp_rank`` and the packed ids / positions /
-``PackedSeqParams`` the trainer already builds)::
-
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)  # input_ids, attention_mask [B, S]; support = dense_support_batch(...)
-        layout = TokenMetadataLayout.build(mb["attention_mask"], packed=False, align=tp_size)
-        x = layout.align(mb["input_ids"], pad_token_id)  # [B, A]
-        position_ids = torch.arange(x.shape[1], device=x.device).expand_as(x)
-        logits = model(x, position_ids, None)  # [B, A, V/tp], labels=None
-
-        def loss_func(logits):
-            logprobs = replay_response_logprobs(
-                logits, mb["input_ids"], layout, support_ids=mb["support"].ids,
-                loss_mask=mb["support"].loss_mask, temperature=sampling_temperature,
-                num_actions=num_actions)  # [B, num_actions] float32
-            ...  # the policy loss on logprobs, as before
-
-        return logits, loss_func
-
-Upstream facts this relies on (megatron-core 0.16.1 and 0.19.2, checked in both):
-
-* ``GPTModel.forward(..., labels=None)`` returns the logits **batch-first** ``[b, s, V/tp]``
-  (it transposes the output layer's ``[s, b, V/tp]``), in both versions; with sequence
-  parallelism the output layer gathers the sequence first, so ``s`` is the full length. The
-  output layer's input (the fused path's ``hidden``) is sequence-first ``[s, b, H]``
-  (``[s / tp, b, H]`` under sequence parallelism).
-* 0.19 multiplies the logits by ``_scale_logits`` after the output layer when
-  ``config.use_mup`` is set; the fused path projects ``hidden @ W.T`` only, so fold that factor
-  ``c`` into the temperature (``temperature / c``) there.
-* ``vocab_parallel_cross_entropy`` subtracts the max from its input **in place** (its
-  ``.float()`` is a no-op on float32), so the replay-off path always hands it a new tensor
-  (``logits / temperature``): the caller's logits survive.
-* megatron-core 0.16.x's ``copy_to_tensor_model_parallel_region`` loses its backward all-reduce
-  when the incoming gradient is not contiguous (``_reduce`` reduces ``input_.contiguous()``, a
-  copy, and returns ``input_``); the fused path hands it a contiguous gradient. Fixed in 0.19.
-* Local (non Transformer Engine) attention refuses context parallelism and packed sequences
-  (``DotProductAttention`` asserts ``context_parallel_size == 1`` and
-  ``packed_seq_params is None``); this module never calls attention and works on the logits of
-  any layout, but a CPU-only test cannot run a CP model (see
-  ``tests/integration/megatron/test_support_replay.py``).
-
-Collectives per call (data-independent): replay on, 4 ``all_reduce`` over the tensor-parallel
-group when ``tp > 1`` (2 for the support logprob, 2 for the fixed-capacity full-vocabulary
-fallback); replay off, Megatron's 3; plus 1 ``all_gather`` over the context-parallel group when
-``cp > 1`` and, on the fused path under sequence parallelism, Megatron's sequence gather.
+With top-k / top-p / min-p the engine draws from a truncated, renormalised distribution while a
+Megatron trainer scores over the full vocabulary (``vocab_parallel_cross_entropy``); the log of
+the kept mass is the train-inference gap this module closes. :func:`replay_response_logprobs`
+is the call for a trainer's loss function (logits, or the output layer's input and weight for
+the fused path; unpacked, packed or context-parallel layouts); without support it returns
+Megatron's own full-vocabulary logprobs. :func:`support_logprobs` is the low-level call on
+vocab-parallel logits.
 """
 
 from __future__ import annotations
@@ -258,25 +194,10 @@ def replay_response_logprobs(
     if support_ids is None:
         values = _megatron_logprobs(source, sampled, output_weight, temperature)
     else:
-        support = _grid(support_ids, "support_ids", (batch, seq), device, integer=True, trailing=1)
-        if support.shape[2] < 1 or (width is not None and support.shape[2] != width):
-            raise ReplayDataError(
-                "support_ids", f"width {support.shape[2]}",
-                expected=f"width {width} (the configured support width)" if width is not None else "width >= 1",
-            )
-        mask = _loss_grid(loss_mask, (batch, seq), device)
-        _check_targets(attention, mask, support)
-        trajectory = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
-        v_local = source.shape[-1] if output_weight is None else output_weight.shape[0]
-        values = core.replay_logprobs(
-            source, sampled,
-            layout.align(support, -1, next_token=True),
-            layout.align(mask, False, next_token=True),
-            layout.align(trajectory, -1, next_token=True),
-            batch,
-            lm_head_weight=output_weight, temperature=temperature,
-            vocab_start=_vocab_start(v_local, tp_rank, tp_size), tp_group=tp_group, chunk_size=chunk_size,
-        ).logprobs
+        values = _support_logprobs_of_slots(
+            source, sampled, layout, support_ids, loss_mask, output_weight, temperature, width, chunk_size,
+            (tp_group, tp_size, tp_rank),
+        )
     if cp_size > 1:
         values = layout.unshard(list(_GatherShards.apply(values, cp_group, cp_rank, cp_size).unbind(0)))
     out = layout.restore(values, 0.0)  # [B, S - 1]
@@ -289,6 +210,47 @@ def replay_response_logprobs(
 
 # ---------------------------------------------------------------------------------------
 # pieces
+
+
+def _support_logprobs_of_slots(
+    source: torch.Tensor,
+    sampled: torch.Tensor,
+    layout: TokenMetadataLayout,
+    support_ids: TensorLike,
+    loss_mask: Optional[TensorLike],
+    output_weight: Optional[torch.Tensor],
+    temperature: float,
+    width: Optional[int],
+    chunk_size: int,
+    tp: tuple[Any, int, int],
+) -> torch.Tensor:
+    """Replay on: float32 ``[rows, length]`` logprobs of this rank's slots, from the checked
+    support ``[B, S, W]`` and loss mask of the batch grid moved to the slots that predict them;
+    ``sampled`` ``[rows, length]`` is the token each slot predicts, ``tp`` the tensor-parallel
+    ``(group, size, rank)``."""
+    tp_group, tp_size, tp_rank = tp
+    attention = layout.attention_mask
+    device = attention.device
+    batch, seq = attention.shape
+    support = _grid(support_ids, "support_ids", (batch, seq), device, integer=True, trailing=1)
+    if support.shape[2] < 1 or (width is not None and support.shape[2] != width):
+        raise ReplayDataError(
+            "support_ids", f"width {support.shape[2]}",
+            expected=f"width {width} (the configured support width)" if width is not None else "width >= 1",
+        )
+    mask = _loss_grid(loss_mask, (batch, seq), device)
+    _check_targets(attention, mask, support)
+    trajectory = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
+    v_local = source.shape[-1] if output_weight is None else output_weight.shape[0]
+    return core.replay_logprobs(
+        source, sampled,
+        layout.align(support, -1, next_token=True),
+        layout.align(mask, False, next_token=True),
+        layout.align(trajectory, -1, next_token=True),
+        batch,
+        lm_head_weight=output_weight, temperature=temperature,
+        vocab_start=_vocab_start(v_local, tp_rank, tp_size), tp_group=tp_group, chunk_size=chunk_size,
+    ).logprobs
 
 
 def _megatron_logprobs(source: torch.Tensor, sampled: torch.Tensor, weight: Optional[torch.Tensor],

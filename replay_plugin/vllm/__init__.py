@@ -1,4 +1,5 @@
-"""vLLM: the patches (``patches.py`` lists them; one module per patch), the
+"""vLLM: the patches (``patches.py`` lists them; one module per patch, ``sample_support`` with
+its two helpers ``sample_support_admission`` and ``sample_support_capture``), the
 ``vllm.general_plugins`` entry point (``plugin.register``) and the client helpers
 (``client``: read support rows and routes from outputs and served responses).
 

@@ -1,29 +1,13 @@
 """Patch ``vllm.openai_fields``: replay data in ``vllm serve`` responses as ``core.wire`` documents.
 
-Stock ``vllm serve`` (0.30-0.32) has no field for a sampler support and returns routed experts
-as a base64 ``.npy`` string (``np.load`` on the client, which pickles nothing but trusts the
-header); the seeds sent both as nested JSON lists (3-4x the bytes, slow to parse). For an
-opted-in request (``vllm_xargs``: ``replay_sample_support`` and/or ``replay_routed_experts``,
-or the job knobs), each choice of a non-streaming completion or chat response gets:
-
-``sample_support``
-    ``{"ids": [T, W] int32, "sampled": [T] int32, "sampled_logprob": [T] float32,
-    "exact": [T] bool}``, each a ``core.wire`` envelope ``{"data", "shape", "dtype"}``: the
-    ``SupportRows`` the ``vllm.sample_support`` patch put on the ``CompletionOutput``;
-``routed_experts``
-    one envelope ``[P - routed_experts_prompt_start + T - 1, num_layers, top_k]`` in the compact
-    dtype (uint8/int16/int32) instead of vLLM's ``.npy`` string.
-
-:func:`replay_plugin.vllm.client.decode_choice` turns a choice back into ``SupportRows`` and a
-routes array (validating dtype, shape and byte count). Responses of requests that did not opt
-in are not touched. Streaming responses (``stream=true``) carry no replay fields: use
-non-streaming requests for rollouts that are replayed.
-
-Targets: ``OpenAIServingCompletion.request_output_to_completion_response`` (choices in prompt
-order, then ``n``) and ``OpenAIServingChat.chat_completion_full_generator`` (one prompt;
-choices matched to outputs by ``index``). The response is rebuilt as a subclass of vLLM's own
-model whose ``routed_experts`` field accepts the document, so pydantic serialises it without
-warnings; ``sample_support`` is an extra field (vLLM's models allow extras).
+Gap (vLLM 0.30-0.32, no upstream fix): ``vllm serve`` has no field for a sampler support and
+returns routed experts as a base64 ``.npy`` string; nested JSON lists cost 3-4x the bytes and
+parse slowly. For an opted-in request each choice of a non-streaming completion or chat
+response gets ``sample_support`` (``ids``, ``sampled``, ``sampled_logprob``, ``exact``: one
+envelope each) and ``routed_experts`` (one envelope, compact dtype); other responses are left
+alone, and streaming responses carry no replay fields. Read them with
+:func:`replay_plugin.vllm.client.decode_choice`. Remove when vLLM serves both in a binary
+array format.
 """
 
 from __future__ import annotations

