@@ -43,7 +43,6 @@ MARKER = "_replay_plugin_finder"
 GUARD = f'os.environ.get("REPLAY_PLUGIN_DISABLE", "").strip().lower() in {TRUE!r} or "{MARKER}" in sys.__dict__'
 
 
-
 def armed_finder(sys_module=None):
     """The .pth finder if it is still on ``sys.meta_path`` (activation not triggered yet)."""
     import sys as _sys
@@ -55,4 +54,5 @@ def armed_finder(sys_module=None):
 
 def pth_line() -> str:
     """The exact content of ``replay_plugin.pth`` (one line, starting with ``import``)."""
-    return "import os, sys; %s or exec(%r, {'sys': sys, 'W': %r})\n" % (GUARD, FINDER_SOURCE, tuple(sorted(WATCHED)))
+    watched = tuple(sorted(WATCHED))
+    return f"import os, sys; {GUARD} or exec({FINDER_SOURCE!r}, {{'sys': sys, 'W': {watched!r}}})\n"

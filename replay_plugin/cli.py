@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 
@@ -51,7 +52,8 @@ def status_in_fresh_process(modules: Sequence[str], python: str | None = None) -
         out = os.path.join(tmp, "status.json")
         proc = subprocess.run(
             [python or sys.executable, "-c", _STATUS_CHILD, out, *modules],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            capture_output=True,
+            text=True,
         )
         if not os.path.exists(out):
             raise RuntimeError(f"status subprocess failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -109,17 +111,27 @@ def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
         dist, version = compat.installed_version(up)
         installed[key] = version
         in_range = None if version is None else compat.version_in(version, up.supported)
-        upstreams.append({
-            "upstream": key, "distribution": dist, "version": version,
-            "supported": compat.format_spec(up.supported), "tested": list(up.tested),
-            "state": "not-installed" if version is None else ("ok" if in_range else "unsupported"),
-        })
+        upstreams.append(
+            {
+                "upstream": key,
+                "distribution": dist,
+                "version": version,
+                "supported": compat.format_spec(up.supported),
+                "tested": list(up.tested),
+                "state": "not-installed" if version is None else ("ok" if in_range else "unsupported"),
+            }
+        )
     patches = []
     for name, p in matrix.patches.items():
         if only and p.upstream not in only:
             continue
         version = installed.get(p.upstream)
-        row = {"patch": name, "upstream": p.upstream, "version": version, "versions": compat.format_spec(p.versions)}
+        row: dict[str, Any] = {
+            "patch": name,
+            "upstream": p.upstream,
+            "version": version,
+            "versions": compat.format_spec(p.versions),
+        }
         if version is None:
             row.update(state="not-installed", detail="")
         elif not compat.version_in(version, p.versions):
@@ -134,8 +146,7 @@ def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
         else:
             row.update(state="ok", detail="sources not checked")
         patches.append(row)
-    return {"matrix": matrix.path, "upstreams": upstreams, "patches": patches, "problems": problems,
-            "ok": not problems}
+    return {"matrix": matrix.path, "upstreams": upstreams, "patches": patches, "problems": problems, "ok": not problems}
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
@@ -190,8 +201,13 @@ def _check_pth() -> list[str]:
     if sys.flags.no_site or sys.flags.isolated:
         problems.append("this interpreter runs with -S or -I: .pth files are not processed")
     probe = subprocess.run(
-        [sys.executable, "-c", f"import sys; f = sys.__dict__.get({_pth.MARKER!r}); print(f is not None and f in sys.meta_path)"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            f"import sys; f = sys.__dict__.get({_pth.MARKER!r}); print(f is not None and f in sys.meta_path)",
+        ],
+        capture_output=True,
+        text=True,
     )
     if not settings.disabled() and probe.stdout.strip() != "True":
         problems.append(f"a fresh `{sys.executable}` does not arm the import finder (the .pth line did not run)")
@@ -210,7 +226,9 @@ def _check_distribution() -> list[str]:
         problems.append(f"replay-plugin is installed {len(dists)} times: {', '.join(locations)}")
     pkg_dir = os.path.dirname(os.path.abspath(replay_plugin.__file__))
     if dists and not any(pkg_dir.startswith(os.path.abspath(loc)) for loc in locations):
-        problems.append(f"replay_plugin is imported from {pkg_dir}, not from the installed distribution at {locations[0]}")
+        problems.append(
+            f"replay_plugin is imported from {pkg_dir}, not from the installed distribution at {locations[0]}"
+        )
     return problems
 
 
@@ -256,9 +274,15 @@ def doctor_report() -> dict:
     notes = []
     if settings.disabled():
         notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")
-    return {"version": __version__, "python": sys.executable,
-            "pth": _pth_files(),
-            "upstreams": versions, "problems": problems, "notes": notes, "ok": not problems}
+    return {
+        "version": __version__,
+        "python": sys.executable,
+        "pth": _pth_files(),
+        "upstreams": versions,
+        "problems": problems,
+        "notes": notes,
+        "ok": not problems,
+    }
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -303,8 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="patch states in a fresh process after importing modules")
     p.add_argument("--json", action="store_true", help='print {"patches": [...]} on stdout and nothing else')
-    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MOD",
-                   help="module to import first (repeatable), e.g. --import megatron.core")
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MOD",
+        help="module to import first (repeatable), e.g. --import megatron.core",
+    )
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("doctor", help="find installation problems")
@@ -313,8 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("matrix", help="compare installed upstreams with compat_matrix.yaml")
     p.add_argument("--check", action="store_true", help="exit 1 on versions outside a range or fingerprint drift")
-    p.add_argument("--upstream", dest="upstreams", action="append", default=[], metavar="KEY",
-                   help="only this upstream (repeatable), e.g. --upstream megatron-core")
+    p.add_argument(
+        "--upstream",
+        dest="upstreams",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="only this upstream (repeatable), e.g. --upstream megatron-core",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_matrix)
 
@@ -326,11 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="measure train-inference mismatch with and without replay")
     try:
-        from .demo import add_arguments
-    except ImportError:
-        add_arguments = None
-    if add_arguments is not None:
-        add_arguments(p)
+        from .demo import add_arguments as add_demo_arguments
+    except ImportError:  # the demo's own imports are missing: `demo` then reports it when run
+        pass
+    else:
+        add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
     return parser
 

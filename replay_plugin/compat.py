@@ -36,8 +36,8 @@ import inspect
 import os
 import pkgutil
 import textwrap
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -47,8 +47,15 @@ from packaging.version import InvalidVersion, Version
 SCHEMA_VERSION = 1
 _UPSTREAM_KEYS = {"import_name", "distributions", "supported", "tested", "notes"}
 _PATCH_KEYS = {
-    "upstream", "targets", "versions", "default", "fingerprints", "untested",
-    "why", "fix", "remove_when",
+    "upstream",
+    "targets",
+    "versions",
+    "default",
+    "fingerprints",
+    "untested",
+    "why",
+    "fix",
+    "remove_when",
 }
 _PATCH_REQUIRED = _PATCH_KEYS - {"untested", "fingerprints"}
 
@@ -283,8 +290,10 @@ def _parse_upstream(key: str, value: Any) -> Upstream:
     if unknown:
         raise CompatMatrixError(f"{where}: unknown keys {sorted(unknown)}")
     dists = value.get("distributions")
-    if not isinstance(dists, dict) or not dists or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in dists.items()
+    if (
+        not isinstance(dists, dict)
+        or not dists
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in dists.items())
     ):
         raise CompatMatrixError(f"{where}: 'distributions' must map distribution names to extra names")
     supported = _spec(value, "supported", where)

@@ -137,7 +137,7 @@ class Registry:
                     continue
                 try:
                     self.add_pack(ep.load(), ep.name)
-                except Exception as exc:  # noqa: BLE001 - one broken pack must not stop the others
+                except Exception as exc:
                     message = f"patch pack {ep.name} ({ep.value}) failed to load: {exc!r}"
                     states.note(message)
                     log.warning("replay_plugin: %s", message)
@@ -261,8 +261,9 @@ class Registry:
             except PatchError:
                 raise
             except Exception as exc:  # noqa: BLE001 - never break the user's import
-                return self._fail(spec, cfg, version, _Refused("error", f"unexpected failure: {exc!r}",
-                                                               PatchApplyError, exc))
+                return self._fail(
+                    spec, cfg, version, _Refused("error", f"unexpected failure: {exc!r}", PatchApplyError, exc)
+                )
 
     def _apply(self, spec: PatchSpec, cfg: settings.Settings, version: str | None) -> PatchStatus:
         notes = [self._check_version(spec, cfg, version)]
@@ -277,7 +278,7 @@ class Registry:
         patcher = Patcher(spec)
         try:
             _load(spec.install)(patcher)
-        except Exception as exc:  # noqa: BLE001 - recorded, raised only when strict
+        except Exception as exc:
             patcher.revert()
             raise _Refused("error", f"install raised {exc!r}", PatchApplyError, exc) from exc
         self.patchers[spec.name] = patcher

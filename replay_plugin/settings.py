@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from .spec import ENV_PREFIX as PREFIX
 

@@ -30,8 +30,14 @@ import time
 from dataclasses import asdict, dataclass, field
 
 STATES = (
-    "applied", "disabled", "skipped-version", "not-imported", "not-needed",
-    "not-implemented", "error", "reverted",
+    "applied",
+    "disabled",
+    "skipped-version",
+    "not-imported",
+    "not-needed",
+    "not-implemented",
+    "error",
+    "reverted",
 )
 
 

@@ -30,6 +30,7 @@ MATRIX = os.path.join(ROOT, "compat_matrix.yaml")
 def own_specs() -> list:
     """Specs of this package's own packs (from pyproject's entry points, not the installed ones)."""
     import importlib
+
     import tomllib
 
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
@@ -57,14 +58,18 @@ def versions_table(matrix: compat.Matrix) -> str:
 
 
 def patches_table(matrix: compat.Matrix) -> str:
-    rows = ["| patch | upstream | versions | default | toggle | fingerprinted | what it fixes |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| patch | upstream | versions | default | toggle | fingerprinted | what it fixes |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for p in matrix.patches.values():
         why = " ".join(p.why.split())
         first = why.split(". ")[0].rstrip(".") + "."
         printed = ", ".join(p.fingerprints) or "-"
-        rows.append(f"| `{p.name}` | {p.upstream} | `{compat.format_spec(p.versions)}` | {'on' if p.default else 'off'} | "
-                    f"`{toggle_name(p.name)}` | {printed} | {first} |")
+        rows.append(
+            f"| `{p.name}` | {p.upstream} | `{compat.format_spec(p.versions)}` | {'on' if p.default else 'off'} | "
+            f"`{toggle_name(p.name)}` | {printed} | {first} |"
+        )
     return "\n".join(rows)
 
 
@@ -140,8 +145,16 @@ def record_fingerprints() -> None:
 def _replace_fingerprints(text: str, name: str, prints: dict, targets: tuple) -> str:
     lines = text.splitlines(keepends=True)
     start = next(i for i, ln in enumerate(lines) if ln.rstrip() == f"  {name}:")
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  ") and not lines[i].startswith("   ")
-                or (lines[i].strip() and not lines[i].startswith(" "))), len(lines))
+    end = next(
+        (
+            i
+            for i in range(start + 1, len(lines))
+            if lines[i].startswith("  ")
+            and not lines[i].startswith("   ")
+            or (lines[i].strip() and not lines[i].startswith(" "))
+        ),
+        len(lines),
+    )
     block = lines[start:end]
     fp_start = next((i for i, ln in enumerate(block) if ln.startswith("    fingerprints:")), None)
     new = ["    fingerprints:\n"]
@@ -169,8 +182,11 @@ def main(argv: list[str]) -> int:
         if current != content:
             stale.append(path)
             if "--check" in argv:
-                sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), content.splitlines(True),
-                                                           path, path + " (generated)"))
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        current.splitlines(True), content.splitlines(True), path, path + " (generated)"
+                    )
+                )
             else:
                 with open(path, "w") as fh:
                     fh.write(content)

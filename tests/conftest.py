@@ -77,7 +77,7 @@ class _Usage:
         needs = set(cls.item_needs.pop(item.nodeid, ()))
         info = getattr(item, "_fixtureinfo", None)
         for name in getattr(item, "fixturenames", ()):
-            for fixturedef in (info.name2fixturedefs.get(name, ()) if info is not None else ()):
+            for fixturedef in info.name2fixturedefs.get(name, ()) if info is not None else ():
                 needs |= cls.fixture_needs.get(fixturedef, set())
         return needs
 
@@ -117,8 +117,12 @@ def pytest_sessionfinish(session, exitstatus):
     if not path:
         return
     with open(path, "w") as fh:
-        json.dump({"env": os.environ.get("REPLAY_TEST_ENV"), "exitstatus": int(exitstatus),
-                   "upstreams": _Usage.counts}, fh, indent=1, sort_keys=True)
+        json.dump(
+            {"env": os.environ.get("REPLAY_TEST_ENV"), "exitstatus": int(exitstatus), "upstreams": _Usage.counts},
+            fh,
+            indent=1,
+            sort_keys=True,
+        )
 
 
 def plugin_installed_as_wheel() -> bool:
@@ -127,14 +131,21 @@ def plugin_installed_as_wheel() -> bool:
     return "site-packages" in (replay_plugin.__file__ or "")
 
 
-def run_python(code: str, env: dict | None = None, python: str | None = None, timeout: float = 600,
-               args: tuple = ()) -> subprocess.CompletedProcess:
+def run_python(
+    code: str, env: dict | None = None, python: str | None = None, timeout: float = 600, args: tuple = ()
+) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter of this environment with a clean REPLAY_PLUGIN_* set."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
     base.pop("PYTHONPATH", None)
     base.update(env or {})
-    return subprocess.run([python or sys.executable, "-c", code, *args], env=base, cwd=os.path.dirname(ROOT),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    return subprocess.run(
+        [python or sys.executable, "-c", code, *args],
+        env=base,
+        cwd=os.path.dirname(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -144,6 +155,8 @@ def wheel(tmp_path_factory) -> str:
     if path and os.path.exists(path):
         return path
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(out), ROOT], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), ROOT],
+        check=True,
+    )
     return glob.glob(str(out / "replay_plugin-*.whl"))[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import operator
-from typing import Callable, Optional
+from collections.abc import Callable
 
 #: name -> module; ``replay-plugin bench`` with no argument runs them all, in this order.
 BENCHES = {
@@ -42,13 +42,13 @@ class Result:
 
     bench: str
     metric: str
-    value: Optional[float]
+    value: float | None
     unit: str = ""
-    goal: Optional[str] = None
+    goal: str | None = None
     note: str = ""
 
     @property
-    def ok(self) -> Optional[bool]:
+    def ok(self) -> bool | None:
         """Whether ``value`` meets ``goal`` (``None`` without a goal or a value)."""
         if self.goal is None or self.value is None:
             return None

@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
@@ -48,8 +48,13 @@ def run_module_measure(module: str, spec: dict, timeout: float = 1800) -> dict:
     """``python -m MODULE --measure JSON`` in a fresh subprocess; its last stdout line is the
     JSON result, or ``{"error": ...}`` when it failed."""
     env = dict(os.environ, **MALLOC_ENV)
-    proc = subprocess.run([sys.executable, "-m", module, "--measure", json.dumps(spec)],
-                          capture_output=True, text=True, env=env, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--measure", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -13,16 +13,14 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from typing import Callable
+from typing import Any
 
 from replay_plugin.bench import Result
 from replay_plugin.bench._memory import module_main, peak_delta, run_module_measure
 
 BENCH = "fsdp"
-FULL = {"batch": 8, "seq": 640, "response": 384, "vocab": 32768, "hidden": 256, "layers": 2, "experts": 8,
-        "width": 32}
-QUICK = {"batch": 4, "seq": 96, "response": 48, "vocab": 4096, "hidden": 64, "layers": 2, "experts": 4,
-         "width": 8}
+FULL = {"batch": 8, "seq": 640, "response": 384, "vocab": 32768, "hidden": 256, "layers": 2, "experts": 8, "width": 32}
+QUICK = {"batch": 4, "seq": 96, "response": 48, "vocab": 4096, "hidden": 64, "layers": 2, "experts": 4, "width": 8}
 METHODS = ("plain", "replay_logits", "replay_hidden")
 #: bytes per (position, candidate) allowed as extra memory over the plain path: int64 index,
 #: float32 value, the gather's gradient and masks, forward and backward
@@ -35,10 +33,21 @@ def _model(shape: dict):
 
     h = shape["hidden"]
     config = Qwen3MoeConfig(
-        vocab_size=shape["vocab"], hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h,
-        num_hidden_layers=shape["layers"], num_attention_heads=4, num_key_value_heads=4, head_dim=h // 4,
-        num_experts=shape["experts"], num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], max_position_embeddings=4 * shape["seq"], tie_word_embeddings=False,
+        vocab_size=shape["vocab"],
+        hidden_size=h,
+        intermediate_size=2 * h,
+        moe_intermediate_size=h,
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=h // 4,
+        num_experts=shape["experts"],
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=4 * shape["seq"],
+        tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
@@ -67,14 +76,18 @@ def _batch(shape: dict) -> dict:
     pos = np.clip(am.cumsum(-1) - 1, 0, None)
     ids_t = torch.from_numpy(ids)
     return {
-        "input_ids": ids_t, "attention_mask": torch.from_numpy(am), "support": torch.from_numpy(support),
-        "loss_mask": torch.ones(b, a, dtype=torch.bool), "indices": idx,
-        "packed": ids_t.reshape(-1)[idx].unsqueeze(0), "positions": torch.from_numpy(pos).reshape(-1)[idx].unsqueeze(0),
+        "input_ids": ids_t,
+        "attention_mask": torch.from_numpy(am),
+        "support": torch.from_numpy(support),
+        "loss_mask": torch.ones(b, a, dtype=torch.bool),
+        "indices": idx,
+        "packed": ids_t.reshape(-1)[idx].unsqueeze(0),
+        "positions": torch.from_numpy(pos).reshape(-1)[idx].unsqueeze(0),
         "weights": torch.from_numpy(rng.uniform(0.5, 1.5, size=(b, a))).float(),
     }
 
 
-def _step_fn(method: str, model, batch: dict, shape: dict) -> Callable[[], None]:
+def _step_fn(method: str, model, batch: dict, shape: dict) -> Any:  # a callable with a clear() attribute
     from replay_plugin.fsdp import response_logprobs
 
     a = shape["response"]
@@ -84,23 +97,40 @@ def _step_fn(method: str, model, batch: dict, shape: dict) -> Callable[[], None]
         # A function of its own, as in a trainer's logprob function: the logits (or hidden
         # states) are dropped when it returns; only what autograd saved lives on to the backward.
         if method == "replay_hidden":
-            hidden = model.model(input_ids=batch["packed"], position_ids=batch["positions"], use_cache=False).last_hidden_state
-            lp = response_logprobs(hidden, batch["input_ids"], batch["attention_mask"], a, support_ids=batch["support"],
-                                   loss_mask=batch["loss_mask"], lm_head_weight=model.lm_head.weight, **common)
+            hidden = model.model(
+                input_ids=batch["packed"], position_ids=batch["positions"], use_cache=False
+            ).last_hidden_state
+            lp = response_logprobs(
+                hidden,
+                batch["input_ids"],
+                batch["attention_mask"],
+                a,
+                support_ids=batch["support"],
+                loss_mask=batch["loss_mask"],
+                lm_head_weight=model.lm_head.weight,
+                **common,
+            )
         else:
             logits = model(input_ids=batch["packed"], position_ids=batch["positions"], use_cache=False).logits
             if method == "plain":
                 lp = response_logprobs(logits, batch["input_ids"], batch["attention_mask"], a, replay=False, **common)
             else:
-                lp = response_logprobs(logits, batch["input_ids"], batch["attention_mask"], a,
-                                       support_ids=batch["support"], loss_mask=batch["loss_mask"], **common)
+                lp = response_logprobs(
+                    logits,
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    a,
+                    support_ids=batch["support"],
+                    loss_mask=batch["loss_mask"],
+                    **common,
+                )
         return lp
 
     def step():
         model.zero_grad(set_to_none=True)
         (-(batch["weights"] * logprobs()).sum()).backward()
 
-    step.clear = lambda: model.zero_grad(set_to_none=True)
+    step.clear = lambda: model.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
     return step
 
 
@@ -138,8 +168,10 @@ def run(quick: bool = False) -> list[Result]:
     model = _model(shape)
     batch = _batch(shape)
     positions = int(batch["indices"].numel())
-    shape_note = (f"B={shape['batch']} S={shape['seq']} A={shape['response']} N={positions} V={shape['vocab']} "
-                  f"H={shape['hidden']} W={shape['width']} float32, fwd+bwd")
+    shape_note = (
+        f"B={shape['batch']} S={shape['seq']} A={shape['response']} N={positions} V={shape['vocab']} "
+        f"H={shape['hidden']} W={shape['width']} float32, fwd+bwd"
+    )
     steps = {m: _step_fn(m, model, batch, shape) for m in METHODS}
     for step in steps.values():
         step()
@@ -152,12 +184,27 @@ def run(quick: bool = False) -> list[Result]:
     del steps, model, batch
     gc.collect()
 
-    results = [Result(BENCH, f"{m}_step_time", best[m] * 1e3, "ms",
-                      note=f"{shape_note}, best of {repeats} interleaved rounds" if m == "plain" else "")
-               for m in METHODS]
+    results = [
+        Result(
+            BENCH,
+            f"{m}_step_time",
+            best[m] * 1e3,
+            "ms",
+            note=f"{shape_note}, best of {repeats} interleaved rounds" if m == "plain" else "",
+        )
+        for m in METHODS
+    ]
     for m in METHODS[1:]:
-        results.append(Result(BENCH, f"{m}_speedup_vs_plain", best["plain"] / best[m], "x", goal=">= 1",
-                              note="not slower than the full-vocabulary path"))
+        results.append(
+            Result(
+                BENCH,
+                f"{m}_speedup_vs_plain",
+                best["plain"] / best[m],
+                "x",
+                goal=">= 1",
+                note="not slower than the full-vocabulary path",
+            )
+        )
     peaks = {m: _measure_peak({"method": m, "shape": shape}) for m in METHODS}
     for m, p in peaks.items():
         value = None if "error" in p else p["peak_delta_bytes"] / 2**20
@@ -170,9 +217,17 @@ def run(quick: bool = False) -> list[Result]:
         if "error" in peaks[m] or "error" in peaks["plain"]:
             continue
         extra = (peaks[m]["peak_delta_bytes"] - peaks["plain"]["peak_delta_bytes"]) / 2**20
-        results.append(Result(BENCH, f"{m}_extra_memory_vs_plain", extra, "MiB", goal=f"<= {bound:.3g}",
-                              note=f"bound N*(W+1)*{BYTES_PER_CANDIDATE} B; the vocabulary would add "
-                                   f"N*V*4 B = {positions * shape['vocab'] * 4 / 2**20:.0f} MiB per [N, V] tensor"))
+        results.append(
+            Result(
+                BENCH,
+                f"{m}_extra_memory_vs_plain",
+                extra,
+                "MiB",
+                goal=f"<= {bound:.3g}",
+                note=f"bound N*(W+1)*{BYTES_PER_CANDIDATE} B; the vocabulary would add "
+                f"N*V*4 B = {positions * shape['vocab'] * 4 / 2**20:.0f} MiB per [N, V] tensor",
+            )
+        )
     return results
 
 

@@ -10,10 +10,12 @@ of interleaved runs after a warm-up; peak memory is measured per method in a fre
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from replay_plugin.bench import Result
 from replay_plugin.bench._memory import module_main, peak_delta, run_module_measure
@@ -41,7 +43,7 @@ def _supports(kind: str, shape: dict, seed: int = 0):
         # Zipf(1.1) over a random permutation of the vocabulary: frequent tokens recur in many
         # rows. Draw 4W per row with replacement, keep the first W distinct.
         ranks = np.arange(1, v + 1, dtype=np.float64)
-        cdf = np.cumsum(ranks ** -1.1)
+        cdf = np.cumsum(ranks**-1.1)
         cdf /= cdf[-1]
         perm = rng.permutation(v)
         draws = perm[np.minimum(np.searchsorted(cdf, rng.random((t, 4 * w))), v - 1)]
@@ -83,7 +85,7 @@ def _peer():
     return sample_support_scores, ""
 
 
-def _step_fn(method: str, inputs, chunk: Optional[int] = None) -> Callable[[], None]:
+def _step_fn(method: str, inputs, chunk: int | None = None) -> Any:  # a callable with a clear() attribute
     """One forward + backward of ``method`` on the fused-path inputs (gradients cleared first;
     ``step.clear()`` frees them)."""
     import torch
@@ -116,14 +118,21 @@ def _step_fn(method: str, inputs, chunk: Optional[int] = None) -> Callable[[], N
         def step():
             clear()
             res = peer(
-                hidden, sampled, support, vocab_start_index=0, vocab_end_index=weight.shape[0], tp_group=None,
-                lm_head_weight=weight, temperature=1.0, chunk_size=chunk,
+                hidden,
+                sampled,
+                support,
+                vocab_start_index=0,
+                vocab_end_index=weight.shape[0],
+                tp_group=None,
+                lm_head_weight=weight,
+                temperature=1.0,
+                chunk_size=chunk,
             )
             torch.autograd.backward(res.logprobs, upstream)
 
     else:
         raise ValueError(method)
-    step.clear = clear
+    step.clear = clear  # type: ignore[attr-defined]
     return step
 
 
@@ -137,7 +146,7 @@ def _logits_inputs(shape: dict):
     return logits, support, sampled, upstream
 
 
-def _logits_step_fn(method: str, inputs) -> Callable[[], None]:
+def _logits_step_fn(method: str, inputs) -> Any:  # a callable with a clear() attribute
     import torch
 
     from replay_plugin.core.logprobs import support_logprobs
@@ -155,7 +164,7 @@ def _logits_step_fn(method: str, inputs) -> Callable[[], None]:
             out = torch.log_softmax(logits, dim=-1).gather(1, sampled.unsqueeze(1)).squeeze(1)
         torch.autograd.backward(out, upstream)
 
-    step.clear = clear
+    step.clear = clear  # type: ignore[attr-defined]
     return step
 
 
@@ -172,7 +181,7 @@ def _interleaved_best(steps: dict, rounds: int) -> dict:
     return best
 
 
-def _best_time(step: Callable[[], None], repeats: int) -> float:
+def _best_time(step: Callable[[], object], repeats: int) -> float:
     step()  # warm-up
     best = float("inf")
     for _ in range(repeats):
@@ -219,7 +228,7 @@ def _flat_inputs(tokens: int, top_k: int):
     lp[:, 0] = lp[:, 1]
     ids[:, 0] = ids[:, 1]
     width = top_k + 1
-    arrays = {
+    arrays: dict[str, np.ndarray] = {
         "start_indices": np.arange(tokens, dtype=np.int64) * width,
         "end_indices": np.arange(1, tokens + 1, dtype=np.int64) * width,
         "token_ids": ids.reshape(-1),
@@ -259,7 +268,7 @@ def run(quick: bool = False) -> list[Result]:
         t_replay = best["replay"]
         full_repeats = 1 if not quick else repeats  # ~10 s a step at full size
         t_full = _best_time(_step_fn("full", inputs), full_repeats)
-        best_chunk, t_peer = None, None
+        best_chunk, t_peer = None, None  # type: tuple[int | None, float | None]
         if peer is not None:
             best_chunk = min(chunks, key=lambda c: best[f"peer_{c}"])
             t_peer = best[f"peer_{best_chunk}"]
@@ -267,21 +276,30 @@ def run(quick: bool = False) -> list[Result]:
         note = f"{kind} supports, {shape_note}, {py}, fwd+bwd, best of {repeats} interleaved rounds"
         results.append(Result(BENCH, f"fused_{kind}_time", t_replay * 1e3, "ms", note=note))
         results.append(
-            Result(BENCH, f"full_{kind}_time", t_full * 1e3, "ms",
-                   note=f"hidden @ W.T, log_softmax, gather; best of {full_repeats}")
+            Result(
+                BENCH,
+                f"full_{kind}_time",
+                t_full * 1e3,
+                "ms",
+                note=f"hidden @ W.T, log_softmax, gather; best of {full_repeats}",
+            )
         )
-        results.append(
-            Result(BENCH, f"fused_vs_full_speedup_{kind}", t_full / t_replay, "x", goal=">= 10", note=note)
-        )
-        if peer is None:
+        results.append(Result(BENCH, f"fused_vs_full_speedup_{kind}", t_full / t_replay, "x", goal=">= 10", note=note))
+        if t_peer is None:
             results.append(Result(BENCH, f"fused_vs_peer_speedup_{kind}", None, "x", goal="> 1", note=peer_reason))
         else:
             results.append(
                 Result(BENCH, f"peer_{kind}_time", t_peer * 1e3, "ms", note=f"skyrl 0.4.0, chunk_size={best_chunk}")
             )
             results.append(
-                Result(BENCH, f"fused_vs_peer_speedup_{kind}", t_peer / t_replay, "x", goal="> 1",
-                       note=f"peer chunk_size={best_chunk} (best of {chunks})")
+                Result(
+                    BENCH,
+                    f"fused_vs_peer_speedup_{kind}",
+                    t_peer / t_replay,
+                    "x",
+                    goal="> 1",
+                    note=f"peer chunk_size={best_chunk} (best of {chunks})",
+                )
             )
 
         methods = ["replay"] if quick else ["replay", "full"] + (["peer"] if peer is not None else [])
@@ -298,14 +316,23 @@ def run(quick: bool = False) -> list[Result]:
         if "peer" in peaks and "error" not in peaks["peer"] and "error" not in peaks["replay"]:
             results.append(
                 Result(
-                    BENCH, f"fused_vs_peer_peak_memory_ratio_{kind}",
-                    peaks["replay"]["peak_delta_bytes"] / peaks["peer"]["peak_delta_bytes"], "x", goal="<= 1",
+                    BENCH,
+                    f"fused_vs_peer_peak_memory_ratio_{kind}",
+                    peaks["replay"]["peak_delta_bytes"] / peaks["peer"]["peak_delta_bytes"],
+                    "x",
+                    goal="<= 1",
                 )
             )
         elif quick:
             results.append(
-                Result(BENCH, f"fused_vs_peer_peak_memory_ratio_{kind}", None, "x", goal="<= 1",
-                       note="quick mode measures only the plugin's peak")
+                Result(
+                    BENCH,
+                    f"fused_vs_peer_peak_memory_ratio_{kind}",
+                    None,
+                    "x",
+                    goal="<= 1",
+                    note="quick mode measures only the plugin's peak",
+                )
             )
 
     # support_logprobs from logits vs log_softmax + gather
@@ -320,21 +347,41 @@ def run(quick: bool = False) -> list[Result]:
         for method in ("logits_support", "logits_full"):
             m = _measure_peak({"method": method, "shape": shape})
             value = None if "error" in m else m["peak_delta_bytes"] / 2**20
-            results.append(Result(BENCH, f"{method}_peak_memory", value, "MiB",
-                                  note=m.get("error", "fresh subprocess, VmHWM - VmRSS (logits grad included)")))
+            results.append(
+                Result(
+                    BENCH,
+                    f"{method}_peak_memory",
+                    value,
+                    "MiB",
+                    note=m.get("error", "fresh subprocess, VmHWM - VmRSS (logits grad included)"),
+                )
+            )
 
     # support rows from flat logprobs
     tokens = 4096 if quick else FLAT_TOKENS
     arrays, lists = _flat_inputs(tokens, FLAT_TOP_K)
     for name, data, goal in (("numpy", arrays, ">= 1000000"), ("lists", lists, None)):
-        t = _best_time(lambda d=data: support_from_flat_logprobs(d, FLAT_TOP_K), 5)
+        t = _best_time(functools.partial(support_from_flat_logprobs, data, FLAT_TOP_K), 5)
         results.append(
-            Result(BENCH, f"flat_logprobs_{name}_tokens_per_s", tokens / t, "tok/s", goal=goal,
-                   note=f"top_k {FLAT_TOP_K}, {tokens} tokens, from {'numpy arrays' if name == 'numpy' else 'Python lists'}")
+            Result(
+                BENCH,
+                f"flat_logprobs_{name}_tokens_per_s",
+                tokens / t,
+                "tok/s",
+                goal=goal,
+                note=(
+                    f"top_k {FLAT_TOP_K}, {tokens} tokens, from {'numpy arrays' if name == 'numpy' else 'Python lists'}"
+                ),
+            )
         )
     results.append(
-        Result(BENCH, "peer_flat_logprobs_tokens_per_s", None, "tok/s",
-               note="skyrl's converter lives in vllm_server_actor.py, which imports vllm and ray at module level")
+        Result(
+            BENCH,
+            "peer_flat_logprobs_tokens_per_s",
+            None,
+            "tok/s",
+            note="skyrl's converter lives in vllm_server_actor.py, which imports vllm and ray at module level",
+        )
     )
     return results
 

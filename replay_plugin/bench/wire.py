@@ -12,7 +12,8 @@ import importlib
 import json
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -91,14 +92,26 @@ def run(quick: bool = False) -> list[Result]:
     # ---- size --------------------------------------------------------------------------
     doc = wire.dumps({"routed_experts": arr})
     as_json = json.dumps(arr.tolist()).encode()
-    add("document bytes / raw bytes", len(doc) / raw, "x", "<= 1.34", f'{shape}; doc = dumps({{"routed_experts": routes}})')
+    add(
+        "document bytes / raw bytes",
+        len(doc) / raw,
+        "x",
+        "<= 1.34",
+        f'{shape}; doc = dumps({{"routed_experts": routes}})',
+    )
     add("json.dumps(tolist) bytes / document bytes", len(as_json) / len(doc), "x", ">= 3")
 
     # ---- bodies --------------------------------------------------------------------------
-    body_doc = {"choices": [{"index": 0, "token_ids": list(range(tokens // 8)), "finish_reason": "stop", "routed_experts": arr}]}
+    body_doc = {
+        "choices": [{"index": 0, "token_ids": list(range(tokens // 8)), "finish_reason": "stop", "routed_experts": arr}]
+    }
     body = wire.dumps(body_doc)
     parsed_env = orjson.loads(body)["choices"][0]["routed_experts"]  # data is a str, as a client holds it
-    _check(np.array_equal(wire.decode_array(parsed_env), arr) and np.array_equal(wire.loads(body)["choices"][0]["routed_experts"], arr), "wire round trip")
+    _check(
+        np.array_equal(wire.decode_array(parsed_env), arr)
+        and np.array_equal(wire.loads(body)["choices"][0]["routed_experts"], arr),
+        "wire round trip",
+    )
 
     def ours_encode() -> Any:
         return wire.encode_array(core_routes.compact(arr))
@@ -113,12 +126,26 @@ def run(quick: bool = False) -> list[Result]:
     t_dumps = _per_call(lambda: wire.dumps(body_doc), calls=calls, repeats=repeats)
     t_parsed = _per_call(ours_decode_parsed, calls=calls, repeats=repeats)
     t_body = _per_call(ours_decode_body, calls=calls, repeats=repeats)
-    t_plain = _per_call(lambda: wire.decode_array(orjson.loads(body)["choices"][0]["routed_experts"]), calls=calls, repeats=repeats)
+    t_plain = _per_call(
+        lambda: wire.decode_array(orjson.loads(body)["choices"][0]["routed_experts"]), calls=calls, repeats=repeats
+    )
     add("encode MB/s (compact + encode_array)", _mbps(raw, t_encode), "MB/s")
     add("dumps MB/s (response body)", _mbps(raw, t_dumps), "MB/s")
-    add("decode MB/s from a parsed document", _mbps(raw, t_parsed), "MB/s", ">= 3000", "decode_array(envelope); parsing not timed")
+    add(
+        "decode MB/s from a parsed document",
+        _mbps(raw, t_parsed),
+        "MB/s",
+        ">= 3000",
+        "decode_array(envelope); parsing not timed",
+    )
     add("decode MB/s from the raw body", _mbps(raw, t_body), "MB/s", ">= 3000", "wire.loads(body), parse included")
-    add("decode MB/s, orjson.loads(body) + decode_array", _mbps(raw, t_plain), "MB/s", None, "a client that parses with plain orjson")
+    add(
+        "decode MB/s, orjson.loads(body) + decode_array",
+        _mbps(raw, t_plain),
+        "MB/s",
+        None,
+        "a client that parses with plain orjson",
+    )
 
     # ---- round trip vs JSON lists --------------------------------------------------------
     def json_round_trip() -> Any:
@@ -130,7 +157,10 @@ def run(quick: bool = False) -> list[Result]:
     t_json = _per_call(json_round_trip, calls=1, repeats=3 if quick else 5)
     t_ours = _per_call(ours_round_trip, calls=calls, repeats=repeats)
     add(
-        "round trip speed-up vs json (tolist/dumps/loads/np.array)", t_json / t_ours, "x", ">= 100",
+        "round trip speed-up vs json (tolist/dumps/loads/np.array)",
+        t_json / t_ours,
+        "x",
+        ">= 100",
         f"json {t_json * 1e3:.1f} ms, wire dumps+loads {t_ours * 1e3:.2f} ms",
     )
 
@@ -155,11 +185,22 @@ def run(quick: bool = False) -> list[Result]:
     note = "interleaved with ours, median of per-round ratios"
     for label, ours, theirs, extra in (
         ("encode", ours_encode, peer_encode, "pack_routed_experts vs compact + encode_array"),
-        ("decode, parsed document", ours_decode_parsed, peer_decode_parsed, "skyrl also scans min/max to reject a non-canonical dtype"),
+        (
+            "decode, parsed document",
+            ours_decode_parsed,
+            peer_decode_parsed,
+            "skyrl also scans min/max to reject a non-canonical dtype",
+        ),
         ("decode, raw body", ours_decode_body, peer_decode_body, "load_packed_body + decode vs wire.loads"),
     ):
         t_ours, t_peer, ratio = _interleaved(ours, theirs, calls=calls, repeats=repeats)
-        add(f"skyrl {label} MB/s", _mbps(raw, t_peer), "MB/s", None, f"{extra}; ours {_mbps(raw, t_ours):.0f} MB/s in the same rounds")
+        add(
+            f"skyrl {label} MB/s",
+            _mbps(raw, t_peer),
+            "MB/s",
+            None,
+            f"{extra}; ours {_mbps(raw, t_ours):.0f} MB/s in the same rounds",
+        )
         add(f"{label} speed vs skyrl", ratio, "x", ">= 1", note)
     return results
 

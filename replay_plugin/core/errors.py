@@ -7,10 +7,8 @@ They subclass ``ValueError`` (or ``TypeError``) so callers that catch the builti
 
 from __future__ import annotations
 
-from typing import Optional
 
-
-def _where(field: str, trajectory: Optional[int], token: Optional[int]) -> str:
+def _where(field: str, trajectory: int | None, token: int | None) -> str:
     parts = [f"field {field!r}"]
     if trajectory is not None:
         parts.append(f"trajectory {trajectory}")
@@ -27,9 +25,9 @@ class _Located:
         field: str,
         problem: str,
         *,
-        trajectory: Optional[int] = None,
-        token: Optional[int] = None,
-        expected: Optional[str] = None,
+        trajectory: int | None = None,
+        token: int | None = None,
+        expected: str | None = None,
     ) -> None:
         self.field = field
         self.trajectory = trajectory

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 import torch
@@ -21,14 +22,14 @@ from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 
 __all__ = ["TokenMetadataLayout"]
 
-TensorLike = Union[torch.Tensor, np.ndarray]
+TensorLike: TypeAlias = "torch.Tensor | np.ndarray"
 
 
 def _round_up(x: torch.Tensor, align: int) -> torch.Tensor:
     return (x + align - 1) // align * align
 
 
-def _to_tensor(x: Any, field: str, device: Optional[torch.device] = None) -> torch.Tensor:
+def _to_tensor(x: Any, field: str, device: torch.device | None = None) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if isinstance(x, np.ndarray):
@@ -83,11 +84,15 @@ def _padding(padding_value: Any, dtype: torch.dtype, trail: torch.Size, device: 
             raise ReplayDataError("padding_value", f"{padding_value!r} is not integral", expected=f"a value of {dtype}")
         q = p.to(dtype)
         if not bool(torch.all(q.to(torch.float64) == p.to(torch.float64))):
-            raise ReplayDataError("padding_value", f"{padding_value!r} does not fit {dtype}", expected=f"a value of {dtype}")
+            raise ReplayDataError(
+                "padding_value", f"{padding_value!r} does not fit {dtype}", expected=f"a value of {dtype}"
+            )
     else:
         q = p.to(dtype)
         if bool(torch.any(torch.isinf(q) & ~torch.isinf(p.to(torch.float64)))):
-            raise ReplayDataError("padding_value", f"{padding_value!r} overflows {dtype}", expected=f"a value of {dtype}")
+            raise ReplayDataError(
+                "padding_value", f"{padding_value!r} overflows {dtype}", expected=f"a value of {dtype}"
+            )
     return q.to(device)
 
 
@@ -101,9 +106,13 @@ def _check_build_args(packed: Any, align: Any, cp_size: Any, cp_rank: Any) -> tu
     if cp_rank >= cp_size:
         raise ReplayDataError("cp_rank", f"got {cp_rank}", expected=f"< cp_size {cp_size}")
     if cp_size > 1 and not packed:
-        raise ReplayDataError("cp_size", f"{cp_size} with an unpacked layout", expected="packed=True for context parallelism")
+        raise ReplayDataError(
+            "cp_size", f"{cp_size} with an unpacked layout", expected="packed=True for context parallelism"
+        )
     if cp_size > 1 and align % (2 * cp_size):
-        raise ReplayDataError("align", f"{align} with cp_size {cp_size}", expected=f"a multiple of 2 * cp_size = {2 * cp_size}")
+        raise ReplayDataError(
+            "align", f"{align} with cp_size {cp_size}", expected=f"a multiple of 2 * cp_size = {2 * cp_size}"
+        )
     return align, cp_size, cp_rank
 
 
@@ -117,9 +126,9 @@ class _Slots(NamedTuple):
     #: this rank's ``(rows, length)``.
     output_shape: tuple[int, int]
     #: packed only: padded sequence lengths int64 ``[B]``.
-    padded: Optional[torch.Tensor]
+    padded: torch.Tensor | None
     #: packed only: their cumulative sums int64 ``[B + 1]``, starting at 0.
-    cu: Optional[torch.Tensor]
+    cu: torch.Tensor | None
 
 
 def _packed_slots(lengths: torch.Tensor, row: torch.Tensor, rank: torch.Tensor, align: int, cp_size: int) -> _Slots:
@@ -169,8 +178,8 @@ class TokenMetadataLayout:
     packed: bool
     alignment: int
     aligned_sequence_length: int
-    padded_sequence_lengths: Optional[tuple[int, ...]]
-    cu_seqlens_padded: Optional[torch.Tensor]
+    padded_sequence_lengths: tuple[int, ...] | None
+    cu_seqlens_padded: torch.Tensor | None
     cp_size: int
     cp_rank: int
     output_shape: tuple[int, int]
@@ -189,7 +198,7 @@ class TokenMetadataLayout:
         align: int = 1,
         cp_size: int = 1,
         cp_rank: int = 0,
-    ) -> "TokenMetadataLayout":
+    ) -> TokenMetadataLayout:
         """Compute the layout of a ``[B, S]`` batch.
 
         Args:
@@ -253,7 +262,9 @@ class TokenMetadataLayout:
     # context parallel
 
     @staticmethod
-    def _cp_slot_owner(cu: torch.Tensor, padded: torch.Tensor, total: int, cp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cp_slot_owner(
+        cu: torch.Tensor, padded: torch.Tensor, total: int, cp_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """For every unsharded packed slot: the CP rank holding it and its slot on that rank."""
         device = cu.device
         g = torch.arange(total, device=device)
@@ -268,12 +279,16 @@ class TokenMetadataLayout:
         return owner, local
 
     @classmethod
-    def _cp_local_slots(cls, cu: torch.Tensor, padded: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    def _cp_local_slots(
+        cls, cu: torch.Tensor, padded: torch.Tensor, total: int, cp_size: int, cp_rank: int
+    ) -> torch.Tensor:
         owner, local = cls._cp_slot_owner(cu, padded, total, cp_size)
         return torch.where(owner == cp_rank, local, torch.full_like(local, -1))
 
     @staticmethod
-    def _keep_local(pair: tuple[torch.Tensor, torch.Tensor], to_local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _keep_local(
+        pair: tuple[torch.Tensor, torch.Tensor], to_local: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = pair
         local = to_local[dst]
         keep = local >= 0
@@ -285,7 +300,11 @@ class TokenMetadataLayout:
     def _meta(self, meta: Any, field: str) -> torch.Tensor:
         t = _to_tensor(meta, field, self.attention_mask.device)
         if t.dim() < 2 or tuple(t.shape[:2]) != tuple(self.attention_mask.shape):
-            raise ReplayDataError(field, f"shape {tuple(t.shape)}", expected=f"[{', '.join(map(str, self.attention_mask.shape))}, ...] like attention_mask")
+            raise ReplayDataError(
+                field,
+                f"shape {tuple(t.shape)}",
+                expected=f"[{', '.join(map(str, self.attention_mask.shape))}, ...] like attention_mask",
+            )
         if t.device != self.attention_mask.device:
             raise ReplayDataError(field, f"on {t.device}", expected=f"the layout's device {self.attention_mask.device}")
         return t
@@ -341,9 +360,13 @@ class TokenMetadataLayout:
         expected = (1, self.aligned_sequence_length) if self.packed else self.output_shape
         if v.dim() < 2 or tuple(v.shape[:2]) != expected:
             hint = " (gather every CP shard first, see unshard())" if self.cp_size > 1 else ""
-            raise ReplayDataError("values", f"shape {tuple(v.shape)}", expected=f"[{expected[0]}, {expected[1]}, ...]{hint}")
+            raise ReplayDataError(
+                "values", f"shape {tuple(v.shape)}", expected=f"[{expected[0]}, {expected[1]}, ...]{hint}"
+            )
         if v.device != self.attention_mask.device:
-            raise ReplayDataError("values", f"on {v.device}", expected=f"the layout's device {self.attention_mask.device}")
+            raise ReplayDataError(
+                "values", f"on {v.device}", expected=f"the layout's device {self.attention_mask.device}"
+            )
         trail = v.shape[2:]
         pad = _padding(padding_value, v.dtype, trail, v.device)
         src, dst = self._restore
@@ -372,7 +395,11 @@ class TokenMetadataLayout:
         trail = parts[0].shape[2:]
         for r, p in enumerate(parts):
             if p.dim() < 2 or tuple(p.shape[:2]) != (1, local) or p.shape[2:] != trail or p.dtype != parts[0].dtype:
-                raise ReplayDataError("shards", f"shard {r} has shape {tuple(p.shape)} {p.dtype}", expected=f"[1, {local}, *{tuple(trail)}] {parts[0].dtype}")
+                raise ReplayDataError(
+                    "shards",
+                    f"shard {r} has shape {tuple(p.shape)} {p.dtype}",
+                    expected=f"[1, {local}, *{tuple(trail)}] {parts[0].dtype}",
+                )
         if self.cp_size == 1:
             return parts[0]
         assert self.cu_seqlens_padded is not None and self.padded_sequence_lengths is not None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.distributed
@@ -41,7 +41,7 @@ def support_logprobs(
     *,
     temperature: float = 1.0,
     vocab_start: int = 0,
-    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each sampled token renormalised over its recorded support.
 
@@ -65,9 +65,7 @@ def support_logprobs(
     v_local = logits.shape[-1]
     prefix = sampled_ids.shape
     flat = logits.reshape(-1, v_local)
-    sup, member, valid, local_m, local_sup, y_local, ly = _localise(
-        sampled_ids, support_ids, vocab_start, v_local
-    )
+    sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
     cdt = _compute_dtype(logits.dtype)
     w = local_sup.shape[1]
     # One gather for members and target: its backward writes one dense [N, V_local] gradient
@@ -87,7 +85,7 @@ def support_logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_start: int = 0,
-    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``support_logprobs`` fused with the LM head: only (token, candidate) pairs are projected.
 
@@ -119,21 +117,25 @@ def support_logprobs_from_hidden(
     _check_common(hidden, sampled_ids, support_ids, temperature)
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
         raise ReplayDataError(
-            "lm_head_weight", f"has shape {tuple(lm_head_weight.shape)} for hidden size {hidden.shape[-1]}",
+            "lm_head_weight",
+            f"has shape {tuple(lm_head_weight.shape)} for hidden size {hidden.shape[-1]}",
             expected="[V_local, H]",
         )
     chunk = _check_chunk(chunk_size)
     v_local = lm_head_weight.shape[0]
     prefix = sampled_ids.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    sup, member, valid, local_m, local_sup, y_local, ly = _localise(
-        sampled_ids, support_ids, vocab_start, v_local
-    )
+    sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
     w = local_sup.shape[1]
     cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
     local = torch.cat([local_m, y_local.unsqueeze(1)], dim=1)
     z = _CandidateProjection.apply(
-        flat_h, lm_head_weight, cand, local, 1.0 / temperature, chunk,
+        flat_h,
+        lm_head_weight,
+        cand,
+        local,
+        1.0 / temperature,
+        chunk,
         _projection_method(flat_h, lm_head_weight),
     )
     lp = _renormalise(z[:, :w], local_m, z[:, w], valid, tp_group)
@@ -147,10 +149,10 @@ def full_vocab_logprobs_fixed_capacity(
     trajectory_ids: torch.Tensor,
     capacity: int,
     *,
-    lm_head_weight: Optional[torch.Tensor] = None,
+    lm_head_weight: torch.Tensor | None = None,
     temperature: float = 1.0,
     vocab_start: int = 0,
-    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ordinary full-vocabulary logprob for at most one flagged row per trajectory.
 
@@ -180,8 +182,10 @@ def full_vocab_logprobs_fixed_capacity(
     prefix = sampled_ids.shape
     if source.shape[:-1] != prefix or needs_full_vocab.shape != prefix or trajectory_ids.shape != prefix:
         raise ReplayDataError(
-            "sampled_ids", f"shapes {tuple(source.shape)}, {tuple(prefix)}, {tuple(needs_full_vocab.shape)}, "
-            f"{tuple(trajectory_ids.shape)} disagree", expected="source [..., D] and [...] for the rest",
+            "sampled_ids",
+            f"shapes {tuple(source.shape)}, {tuple(prefix)}, {tuple(needs_full_vocab.shape)}, "
+            f"{tuple(trajectory_ids.shape)} disagree",
+            expected="source [..., D] and [...] for the rest",
         )
     flat = source.reshape(-1, dim)
     n = flat.shape[0]
@@ -207,7 +211,8 @@ def full_vocab_logprobs_fixed_capacity(
     else:
         if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != dim:
             raise ReplayDataError(
-                "lm_head_weight", f"has shape {tuple(lm_head_weight.shape)} for hidden size {dim}",
+                "lm_head_weight",
+                f"has shape {tuple(lm_head_weight.shape)} for hidden size {dim}",
                 expected="[V_local, H]",
             )
         logits = picked.to(lm_head_weight.dtype) @ lm_head_weight.t()
@@ -239,7 +244,7 @@ def _full_vocab_logprob(
     out_dtype: torch.dtype,
     temperature: float,
     vocab_start: int,
-    tp_group: Optional["torch.distributed.ProcessGroup"],
+    tp_group: torch.distributed.ProcessGroup | None,
 ) -> torch.Tensor:
     """Logprob ``[R]`` (``out_dtype``) of the global ids ``y_rows`` ``[R]`` over the whole
     (possibly TP-sharded) vocabulary, from raw logits ``[R, V_local]``."""
@@ -271,10 +276,10 @@ def replay_logprobs(
     trajectory_ids: torch.Tensor,
     num_trajectories: int,
     *,
-    lm_head_weight: Optional[torch.Tensor] = None,
+    lm_head_weight: torch.Tensor | None = None,
     temperature: float = 1.0,
     vocab_start: int = 0,
-    tp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    tp_group: torch.distributed.ProcessGroup | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> ReplayLogprobs:
     """Replayed logprobs for one microbatch: the helper trainer backends call.
@@ -316,8 +321,14 @@ def replay_logprobs(
         )
     else:
         lp, valid = support_logprobs_from_hidden(
-            source, lm_head_weight, sampled_ids, support_ids, temperature=temperature,
-            chunk_size=chunk_size, vocab_start=vocab_start, tp_group=tp_group,
+            source,
+            lm_head_weight,
+            sampled_ids,
+            support_ids,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            vocab_start=vocab_start,
+            tp_group=tp_group,
         )
     if loss_mask.shape != sampled_ids.shape:
         raise ReplayDataError(
@@ -325,8 +336,15 @@ def replay_logprobs(
         )
     need = loss_mask.to(torch.bool) & ~valid
     fallback, selected = full_vocab_logprobs_fixed_capacity(
-        source, sampled_ids, need, trajectory_ids, num_trajectories, lm_head_weight=lm_head_weight,
-        temperature=temperature, vocab_start=vocab_start, tp_group=tp_group,
+        source,
+        sampled_ids,
+        need,
+        trajectory_ids,
+        num_trajectories,
+        lm_head_weight=lm_head_weight,
+        temperature=temperature,
+        vocab_start=vocab_start,
+        tp_group=tp_group,
     )
     uncovered = need & ~selected
     nonfinite = valid & ~torch.isfinite(lp)
@@ -370,7 +388,7 @@ def _tp_size(tp_group) -> int:
 
 def _renormalise(
     values: torch.Tensor,
-    member: Optional[torch.Tensor],
+    member: torch.Tensor | None,
     y_values: torch.Tensor,
     valid: torch.Tensor,
     tp_group,
@@ -425,8 +443,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _check_temperature(temperature) -> None:
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not (
-        math.isfinite(temperature) and temperature > 0
+    if (
+        not isinstance(temperature, (int, float))
+        or isinstance(temperature, bool)
+        or not (math.isfinite(temperature) and temperature > 0)
     ):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
 
@@ -532,7 +552,11 @@ class _CandidateProjection(torch.autograd.Function):
             return (
                 torch.zeros_like(hidden) if need_h else None,
                 torch.zeros_like(weight) if need_w else None,
-                None, None, None, None, None,
+                None,
+                None,
+                None,
+                None,
+                None,
             )
         if ctx.method == "sparse":
             return (*_sparse_backward(ctx, grad_out, need_h, need_w), None, None, None, None, None)

@@ -72,7 +72,7 @@ def _is_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "dtype") and hasattr(x, "device")
 
 
-def _host_array(arr: Any, field: str, trajectory: Union[int, None] = None) -> np.ndarray:
+def _host_array(arr: Any, field: str, trajectory: int | None = None) -> np.ndarray:
     """numpy view of a numpy array or a (possibly CUDA) tensor; lists are refused."""
     if isinstance(arr, np.ndarray):
         return arr
@@ -80,7 +80,9 @@ def _host_array(arr: Any, field: str, trajectory: Union[int, None] = None) -> np
         host: np.ndarray = arr.detach().cpu().numpy()
         return host
     raise ReplayTypeError(
-        field, f"got {type(arr).__name__}", trajectory=trajectory,
+        field,
+        f"got {type(arr).__name__}",
+        trajectory=trajectory,
         expected="a numpy array or torch tensor [tokens, layers, topk]",
     )
 
@@ -92,7 +94,7 @@ def _compact_dtype(max_id: int) -> np.dtype:
     raise AssertionError("unreachable")  # pragma: no cover - callers check < 2**31 first
 
 
-def _check_route_values(a: np.ndarray, field: str, trajectory: Union[int, None]) -> int:
+def _check_route_values(a: np.ndarray, field: str, trajectory: int | None) -> int:
     """Validate dtype and range of expert ids; return the maximum id (0 when empty)."""
     if a.dtype == np.bool_ or not np.issubdtype(a.dtype, np.integer):
         raise ReplayTypeError(
@@ -126,7 +128,7 @@ def _check_int(value: Any, field: str, *, minimum: int = 0) -> int:
 # compact arrays
 
 
-def compact(arr: ArrayLike, *, trajectory: Union[int, None] = None) -> np.ndarray:
+def compact(arr: ArrayLike, *, trajectory: int | None = None) -> np.ndarray:
     """Routes ``[T, L, K]`` in the smallest safe dtype, C-contiguous.
 
     Args:
@@ -197,14 +199,16 @@ def _mask_host(attention_mask: Any) -> np.ndarray:
     bad = (attention_mask != 0) & (attention_mask != 1)
     if bad.any():
         b, s = np.argwhere(bad)[0]
-        raise ReplayDataError("attention_mask", f"value {attention_mask[b, s]}", trajectory=int(b), token=int(s), expected="0 or 1")
+        raise ReplayDataError(
+            "attention_mask", f"value {attention_mask[b, s]}", trajectory=int(b), token=int(s), expected="0 or 1"
+        )
     return attention_mask.astype(bool)
 
 
 def pad_batch(
-    route_arrays: Sequence[Union[ArrayLike, TrajectoryRoutes]],
+    route_arrays: Sequence[ArrayLike | TrajectoryRoutes],
     attention_mask: ArrayLike,
-) -> tuple[np.ndarray, "torch.Tensor"]:
+) -> tuple[np.ndarray, torch.Tensor]:
     """Batch ragged per-trajectory routes onto a padded ``[B, S]`` token grid.
 
     Trajectory ``i``'s rows go, in order, to the first ``len(rows)`` valid positions of
@@ -233,16 +237,20 @@ def pad_batch(
 
     mask = _mask_host(attention_mask)
     if isinstance(route_arrays, (np.ndarray, str, bytes)) or _is_tensor(route_arrays):
-        raise ReplayTypeError("route_arrays", f"got {type(route_arrays).__name__}", expected="a sequence of per-trajectory arrays")
+        raise ReplayTypeError(
+            "route_arrays", f"got {type(route_arrays).__name__}", expected="a sequence of per-trajectory arrays"
+        )
     batch, seq = mask.shape
     if len(route_arrays) != batch:
-        raise ReplayDataError("route_arrays", f"{len(route_arrays)} trajectories for attention_mask of {batch} rows", expected=f"{batch}")
+        raise ReplayDataError(
+            "route_arrays", f"{len(route_arrays)} trajectories for attention_mask of {batch} rows", expected=f"{batch}"
+        )
     if batch == 0:
         raise ReplayDataError("route_arrays", "empty batch", expected="at least one trajectory (it fixes [L, K])")
 
     rows: list[np.ndarray] = []
-    row_masks: list[Union[np.ndarray, None]] = []
-    lk: Union[tuple[int, int], None] = None
+    row_masks: list[np.ndarray | None] = []
+    lk: tuple[int, int] | None = None
     widest = ROUTE_DTYPES[0]
     valid_counts = mask.sum(axis=1)
     for i, entry in enumerate(route_arrays):
@@ -262,24 +270,33 @@ def pad_batch(
 
 
 def _trajectory_rows(
-    entry: Union[ArrayLike, TrajectoryRoutes], i: int, valid_count: int, lk: Union[tuple[int, int], None]
-) -> tuple[np.ndarray, Union[np.ndarray, None]]:
+    entry: ArrayLike | TrajectoryRoutes, i: int, valid_count: int, lk: tuple[int, int] | None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Trajectory ``i``'s routes ``[T_i, L, K]`` on the host in a compact dtype, checked against
     its ``valid_count`` valid tokens and the batch's ``[L, K]`` (None for the first), and its
     per-row padding mask ``[T_i]`` (None for a plain array)."""
     if isinstance(entry, TrajectoryRoutes):
         a, m = _host_array(entry.routes, "routed_experts", i), np.asarray(entry.router_padding_mask)
         if m.dtype != np.bool_ or m.shape != a.shape[:1]:
-            raise ReplayDataError("router_padding_mask", f"shape {m.shape} dtype {m.dtype}", trajectory=i, expected=f"bool [{a.shape[0] if a.ndim else '?'}]")
+            raise ReplayDataError(
+                "router_padding_mask",
+                f"shape {m.shape} dtype {m.dtype}",
+                trajectory=i,
+                expected=f"bool [{a.shape[0] if a.ndim else '?'}]",
+            )
     else:
         a, m = _host_array(entry, "routed_experts", i), None
     if a.ndim != 3:
         raise ReplayDataError("routed_experts", f"shape {a.shape}", trajectory=i, expected="[tokens, layers, topk]")
     if lk is not None and a.shape[1:] != lk:
-        raise ReplayDataError("routed_experts", f"[L, K] = {list(a.shape[1:])}", trajectory=i, expected=f"{list(lk)} like trajectory 0")
+        raise ReplayDataError(
+            "routed_experts", f"[L, K] = {list(a.shape[1:])}", trajectory=i, expected=f"{list(lk)} like trajectory 0"
+        )
     if a.shape[0] > valid_count:
         raise ReplayDataError(
-            "routed_experts", f"{a.shape[0]} route rows for {valid_count} valid tokens", trajectory=i,
+            "routed_experts",
+            f"{a.shape[0]} route rows for {valid_count} valid tokens",
+            trajectory=i,
             expected=f"at most {valid_count} rows",
         )
     if a.dtype not in _ROUTE_MAX:
@@ -291,7 +308,7 @@ def _trajectory_rows(
 
 def _scatter_to_grid(
     rows: list[np.ndarray],
-    row_masks: list[Union[np.ndarray, None]],
+    row_masks: list[np.ndarray | None],
     mask: np.ndarray,
     lk: tuple[int, int],
     dtype: np.dtype,
@@ -327,18 +344,28 @@ def _layer_index_array(layer_indices: Any, num_layers: int) -> np.ndarray:
     if _is_tensor(layer_indices):
         layer_indices = layer_indices.detach().cpu().numpy()
     if isinstance(layer_indices, (str, bytes)) or not isinstance(layer_indices, (Sequence, np.ndarray, range)):
-        raise ReplayTypeError("layer_indices", f"got {type(layer_indices).__name__}", expected="a sequence of global layer indices")
+        raise ReplayTypeError(
+            "layer_indices", f"got {type(layer_indices).__name__}", expected="a sequence of global layer indices"
+        )
     idx = np.asarray(layer_indices)
     if idx.size == 0:
         idx = idx.astype(np.int64)
     if idx.ndim != 1 or idx.dtype == np.bool_ or not np.issubdtype(idx.dtype, np.integer):
-        raise ReplayTypeError("layer_indices", f"{idx.dtype} array of shape {idx.shape}", expected="a 1-D sequence of ints")
+        raise ReplayTypeError(
+            "layer_indices", f"{idx.dtype} array of shape {idx.shape}", expected="a 1-D sequence of ints"
+        )
     if idx.size:
         bad = (idx < 0) | (idx >= num_layers)
         if bad.any():
-            raise ReplayDataError("layer_indices", f"index {int(idx[bad][0])} out of range", expected=f"0 <= index < {num_layers} (the routes' layer count)")
+            raise ReplayDataError(
+                "layer_indices",
+                f"index {int(idx[bad][0])} out of range",
+                expected=f"0 <= index < {num_layers} (the routes' layer count)",
+            )
         if np.unique(idx).size != idx.size:
-            raise ReplayDataError("layer_indices", f"duplicates in {idx.tolist()}", expected="distinct layers (one per router)")
+            raise ReplayDataError(
+                "layer_indices", f"duplicates in {idx.tolist()}", expected="distinct layers (one per router)"
+            )
     return idx.astype(np.int64, copy=False)
 
 
@@ -357,7 +384,7 @@ def _check_routes(routes: Any) -> None:
         raise ReplayDataError("routes", f"shape {tuple(routes.shape)}", expected="[tokens, L, K] or [batch, seq, L, K]")
 
 
-def select_layers(routes: ArrayLike, layer_indices: Union[Sequence[int], ArrayLike]) -> ArrayLike:
+def select_layers(routes: ArrayLike, layer_indices: Sequence[int] | ArrayLike) -> ArrayLike:
     """The layers of one pipeline stage, in the compact dtype.
 
     Args:
@@ -382,7 +409,7 @@ def select_layers(routes: ArrayLike, layer_indices: Union[Sequence[int], ArrayLi
     return routes.index_select(routes.dim() - 2, torch.from_numpy(idx).to(routes.device))
 
 
-def _as_torch(x: ArrayLike) -> "torch.Tensor":
+def _as_torch(x: ArrayLike) -> torch.Tensor:
     import torch
 
     if isinstance(x, np.ndarray):
@@ -393,7 +420,7 @@ def _as_torch(x: ArrayLike) -> "torch.Tensor":
     return x
 
 
-def _layers_first_int32(routes: "torch.Tensor", layers: Sequence[int]) -> list["torch.Tensor"]:
+def _layers_first_int32(routes: torch.Tensor, layers: Sequence[int]) -> list[torch.Tensor]:
     """Copy ``routes[..., layer, :]`` for each layer into one int32 ``[L_local, N, K]`` block."""
     import torch
 
@@ -406,7 +433,7 @@ def _layers_first_int32(routes: "torch.Tensor", layers: Sequence[int]) -> list["
     return list(out.unbind(0))
 
 
-def split_for_replay(routes_local: ArrayLike) -> list["torch.Tensor"]:
+def split_for_replay(routes_local: ArrayLike) -> list[torch.Tensor]:
     """Per-layer int32 replay data, as Megatron's ``RouterReplay.set_replay_data`` takes it.
 
     Args:
@@ -422,7 +449,7 @@ def split_for_replay(routes_local: ArrayLike) -> list["torch.Tensor"]:
     return _layers_first_int32(t, range(int(t.shape[-2])))
 
 
-def local_replay_data(routes: ArrayLike, layer_indices: Union[Sequence[int], ArrayLike]) -> list["torch.Tensor"]:
+def local_replay_data(routes: ArrayLike, layer_indices: Sequence[int] | ArrayLike) -> list[torch.Tensor]:
     """:func:`select_layers` + int32 + :func:`split_for_replay` in one pass.
 
     Only the selected layers are read and widened: no intermediate copy of the selection,

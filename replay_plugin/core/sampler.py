@@ -10,7 +10,7 @@ Duck-typed: imports no vLLM.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 from replay_plugin.core.errors import NotReplayable
 
@@ -29,7 +29,7 @@ _DEFAULTS = {
 _MISSING = object()
 
 
-def check_replayable(params: Any, engine: Any = None, *, width: Optional[int] = None) -> None:
+def check_replayable(params: Any, engine: Any = None, *, width: int | None = None) -> None:
     """Return None when support replay can reproduce these settings, else raise ``NotReplayable``.
 
     Args:
@@ -50,10 +50,11 @@ def check_replayable(params: Any, engine: Any = None, *, width: Optional[int] = 
         support has logprob 0 and no gradient), or larger than ``width``;
         ``repetition_penalty`` != 1, ``presence_penalty`` / ``frequency_penalty`` != 0, a
         non-zero ``logit_bias``, per-request ``logits_processors`` (they change logit values).
-        Engine (each checked when the engine carries it): ``logprobs_mode`` other than ``processed_logprobs`` (raw modes rank the
-        unprocessed logits, not the sampler's support); ``max_logprobs`` below ``width`` (unless
-        -1, unlimited); any ``speculative_config`` (not shown to leave the captured support
-        exact); engine-level ``logits_processors``.
+        Engine (each checked when the engine carries it): ``logprobs_mode`` other than
+        ``processed_logprobs`` (raw modes rank the unprocessed logits, not the sampler's
+        support); ``max_logprobs`` below ``width`` (unless -1, unlimited); any
+        ``speculative_config`` (not shown to leave the captured support exact); engine-level
+        ``logits_processors``.
     Accepted: ``top_p``, ``min_p``, ``bad_words``, ``allowed_token_ids``, ``min_tokens``,
     structured outputs, ``seed``, ``n`` (masks or sampling choices the support records).
     """
@@ -62,7 +63,7 @@ def check_replayable(params: Any, engine: Any = None, *, width: Optional[int] = 
         _check_engine(engine, w)
 
 
-def _check_sampler(params: Any, width: Optional[int]) -> int:
+def _check_sampler(params: Any, width: int | None) -> int:
     """Refuse the request's own settings; return the support width ``W`` (``width`` or ``top_k``)."""
     temperature = _number(params, "temperature")
     if temperature is None or temperature < MIN_TEMPERATURE:
@@ -103,9 +104,7 @@ def _check_logit_changes(params: Any) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(params, name)
         if value is not None and value != 0.0:
-            raise NotReplayable(
-                name, f"sampler setting {name!r}={value} is not replayable (must be 0.0)", value=value
-            )
+            raise NotReplayable(name, f"sampler setting {name!r}={value} is not replayable (must be 0.0)", value=value)
     bias = _value(params, "logit_bias")
     if bias:
         values = bias.values() if isinstance(bias, Mapping) else [1.0]
@@ -166,7 +165,7 @@ def _value(obj: Any, name: str) -> Any:
     return getattr(obj, name, _DEFAULTS.get(name))
 
 
-def _number(obj: Any, name: str) -> Optional[float]:
+def _number(obj: Any, name: str) -> float | None:
     value = _value(obj, name)
     if value is None:
         return None
@@ -184,7 +183,7 @@ def _lookup(obj: Any, name: str) -> Any:
 
 def _engine_value(engine: Any, name: str) -> Any:
     """``name`` on the engine or on the config objects it carries, first found wins."""
-    seen = []
+    seen: list[Any] = []
     queue = [engine]
     while queue:
         obj = queue.pop(0)

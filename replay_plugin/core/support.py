@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, Iterable, Literal, Optional, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -91,9 +91,7 @@ class SupportRows:
         below = self.ids < PAD
         if below.any():
             tok = int(np.argmax(below.any(axis=1)))
-            raise ReplayDataError(
-                "ids", f"holds id {int(self.ids[tok].min())}", token=tok, expected="ids >= -1"
-            )
+            raise ReplayDataError("ids", f"holds id {int(self.ids[tok].min())}", token=tok, expected="ids >= -1")
         _check_trailing_padding(self.ids, "ids", None)
         contains = (self.ids == self.sampled[:, None]).any(axis=1)
         bad = self.exact & ~contains
@@ -115,7 +113,7 @@ class SupportRows:
         return int(self.ids.shape[1])
 
     @classmethod
-    def empty(cls, count: int, width: int) -> "SupportRows":
+    def empty(cls, count: int, width: int) -> SupportRows:
         """``count`` rows without support (observation tokens, a synthetic EOS)."""
         return cls(
             ids=np.full((count, width), PAD, dtype=np.int32),
@@ -125,7 +123,7 @@ class SupportRows:
         )
 
     @classmethod
-    def concat(cls, parts: Sequence["SupportRows"]) -> "SupportRows":
+    def concat(cls, parts: Sequence[SupportRows]) -> SupportRows:
         """Rows of several turns, in order; all parts must share one width."""
         if not parts:
             raise ReplayDataError("ids", "no parts to concatenate", expected="at least one SupportRows")
@@ -140,9 +138,7 @@ class SupportRows:
         )
 
 
-def support_from_flat_logprobs(
-    flat: Any, width: int, *, mass_tolerance: float = DEFAULT_MASS_TOLERANCE
-) -> SupportRows:
+def support_from_flat_logprobs(flat: Any, width: int, *, mass_tolerance: float = DEFAULT_MASS_TOLERANCE) -> SupportRows:
     """Support rows from vLLM ``FlatLogprobs`` produced with processed logprobs and ``logprobs=N``.
 
     Args:
@@ -204,7 +200,8 @@ def _read_flat_logprobs(flat: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         raise ReplayDataError("end_indices", f"has {end.shape[0]} entries for {t} start indices", expected=f"{t}")
     if logprobs.shape[0] != tokens.shape[0]:
         raise ReplayDataError(
-            "logprobs", f"has {logprobs.shape[0]} entries for {tokens.shape[0]} token ids",
+            "logprobs",
+            f"has {logprobs.shape[0]} entries for {tokens.shape[0]} token ids",
             expected="one logprob per token id",
         )
     lens = end - start
@@ -212,22 +209,26 @@ def _read_flat_logprobs(flat: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     if short.any():
         tok = int(np.argmax(short))
         raise ReplayDataError(
-            "end_indices", f"position has {int(lens[tok])} entries", token=tok,
+            "end_indices",
+            f"position has {int(lens[tok])} entries",
+            token=tok,
             expected="at least the sampled token",
         )
     outside = (start < 0) | (end > tokens.shape[0])
     if outside.any():
         tok = int(np.argmax(outside))
         raise ReplayDataError(
-            "start_indices", f"entries [{int(start[tok])}, {int(end[tok])}) lie outside the "
-            f"{tokens.shape[0]} flat entries", token=tok, expected="indices inside the flat arrays",
+            "start_indices",
+            f"entries [{int(start[tok])}, {int(end[tok])}) lie outside the {tokens.shape[0]} flat entries",
+            token=tok,
+            expected="indices inside the flat arrays",
         )
     return start, end, tokens, logprobs
 
 
 def _position_matrix(
     start: np.ndarray, end: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The flat entries as one row per position (``T >= 1`` positions).
 
     Returns ids ``[T, C]`` and logprobs ``[T, C]`` (``C`` = the widest position; column 0 the
@@ -238,9 +239,7 @@ def _position_matrix(
     t = start.shape[0]
     lens = end - start
     row_len = int(lens[0])
-    uniform = bool((lens == row_len).all()) and bool(
-        (start == start[0] + row_len * np.arange(t, dtype=np.int64)).all()
-    )
+    uniform = bool((lens == row_len).all()) and bool((start == start[0] + row_len * np.arange(t, dtype=np.int64)).all())
     if uniform:
         lo = int(start[0])
         ids2 = tokens[lo : lo + t * row_len].reshape(t, row_len)
@@ -261,14 +260,16 @@ def _check_flat_ids(ids2: np.ndarray) -> None:
     if ids2.size and (ids2.min() < 0 or ids2.max() > INT32_MAX):
         tok = int(np.argmax(((ids2 < 0) | (ids2 > INT32_MAX)).any(axis=1)))
         raise ReplayDataError(
-            "token_ids", f"position holds ids {ids2[tok].tolist()}", token=tok,
+            "token_ids",
+            f"position holds ids {ids2[tok].tolist()}",
+            token=tok,
             expected=f"ids in [0, {INT32_MAX}]",
         )
 
 
 def _descending(
-    cand: np.ndarray, cand_lp: np.ndarray, absent: Optional[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    cand: np.ndarray, cand_lp: np.ndarray, absent: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Candidates ``[T, N]`` (ids, logprobs, ``absent`` flags) ordered finite first, by
     descending logprob, ``-inf`` and NaN last; ties keep the engine's order."""
     # vLLM's entries are torch.topk output: finite ones first, descending, -inf last. One
@@ -288,7 +289,7 @@ def _descending(
 def _rows_from_candidates(
     cand: np.ndarray,
     cand_lp: np.ndarray,
-    absent: Optional[np.ndarray],
+    absent: np.ndarray | None,
     sampled: np.ndarray,
     sampled_lp: np.ndarray,
     w: int,
@@ -311,13 +312,7 @@ def _rows_from_candidates(
     contains = (ids == sampled[:, None]).any(axis=1)
     closed = neg_inf.any(axis=1)
     mass = np.exp(np.where(finite, cand_lp, -np.inf)).sum(axis=1, dtype=np.float64)
-    exact = (
-        (closed | (mass >= 1.0 - mass_tolerance))
-        & contains
-        & (count <= w)
-        & ~garbage
-        & np.isfinite(sampled_lp)
-    )
+    exact = (closed | (mass >= 1.0 - mass_tolerance)) & contains & (count <= w) & ~garbage & np.isfinite(sampled_lp)
     return ids, exact
 
 
@@ -384,7 +379,8 @@ def _mask_csr(mask: Any) -> tuple[np.ndarray, np.ndarray]:
     t = offs.shape[0] - 1
     if t < 0 or (t > 0 and (offs[0] != 0 or offs[-1] != flat.shape[0] or (np.diff(offs) < 0).any())):
         raise ReplayDataError(
-            "offsets", f"offsets {offs[:8].tolist()}... do not partition {flat.shape[0]} ids",
+            "offsets",
+            f"offsets {offs[:8].tolist()}... do not partition {flat.shape[0]} ids",
             expected="non-decreasing offsets from 0 to the number of ids",
         )
     return flat, offs
@@ -402,9 +398,7 @@ def _mask_sampled(sampled_ids: Any, sampled_logprobs: Any, t: int) -> tuple[np.n
         return sampled, np.full(t, np.nan, dtype=np.float32)
     logprob = np.asarray(sampled_logprobs, dtype=np.float32)
     if logprob.shape != (t,):
-        raise ReplayDataError(
-            "sampled_logprobs", f"got shape {logprob.shape}", expected=f"shape ({t},)"
-        )
+        raise ReplayDataError("sampled_logprobs", f"got shape {logprob.shape}", expected=f"shape ({t},)")
     return sampled, logprob
 
 
@@ -454,14 +448,14 @@ class DenseSupport:
 
 
 def dense_support_batch(
-    rows: Sequence[Union[SupportRows, np.ndarray, Sequence[Sequence[int]]]],
+    rows: Sequence[SupportRows | np.ndarray | Sequence[Sequence[int]]],
     response_ids: Sequence[Any],
     loss_masks: Sequence[Any],
     seq_len: int,
-    eos_token_id: Union[int, Iterable[int], None],
+    eos_token_id: int | Iterable[int] | None,
     *,
     on_inexact: InexactPolicy = "repair",
-    vocab_size: Optional[int] = None,
+    vocab_size: int | None = None,
 ) -> DenseSupport:
     """Dense ``[B, S, W]`` support batch, validated, with the ``on_inexact`` policy applied.
 
@@ -500,7 +494,8 @@ def dense_support_batch(
     b = len(rows)
     if len(response_ids) != b or len(loss_masks) != b:
         raise ReplayDataError(
-            "rows", f"{b} support entries, {len(response_ids)} responses, {len(loss_masks)} loss masks",
+            "rows",
+            f"{b} support entries, {len(response_ids)} responses, {len(loss_masks)} loss masks",
             expected="one of each per trajectory",
         )
     s = int(seq_len)
@@ -528,19 +523,24 @@ def dense_support_batch(
         loss_out[i, s - t :] = lm_after
     log = logger.warning if n_inexact else logger.debug
     log(
-        "support batch: %d loss-bearing inexact row(s) (on_inexact=%r), %d synthetic EOS row(s), "
-        "%d trajectories", n_inexact, on_inexact, n_eos, b,
+        "support batch: %d loss-bearing inexact row(s) (on_inexact=%r), %d synthetic EOS row(s), %d trajectories",
+        n_inexact,
+        on_inexact,
+        n_eos,
+        b,
     )
     return DenseSupport(out, loss_out, n_inexact, n_eos, on_inexact)
 
 
 def _rows_of_one_width(
     rows: Sequence[Any],
-) -> tuple[list[tuple[np.ndarray, Optional[np.ndarray], Optional[np.ndarray]]], int]:
+) -> tuple[list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]], int]:
     """Per trajectory ``(ids [T_b, W], sampled [T_b] or None, exact [T_b] or None)`` and the
     common width ``W`` (0 for an empty batch); plain arrays carry no ``sampled`` / ``exact``."""
     prepared = []
-    width: Optional[int] = None
+    width: int | None = None
+    sampled: np.ndarray | None
+    exact: np.ndarray | None
     for i, r in enumerate(rows):
         if isinstance(r, SupportRows):
             ids, sampled, exact = r.ids, r.sampled, r.exact
@@ -548,16 +548,16 @@ def _rows_of_one_width(
             ids = np.asarray(r)
             if ids.ndim != 2 or (ids.size and ids.dtype.kind not in "iu"):
                 raise ReplayTypeError(
-                    "support", f"got dtype {ids.dtype} with shape {ids.shape}", trajectory=i,
+                    "support",
+                    f"got dtype {ids.dtype} with shape {ids.shape}",
+                    trajectory=i,
                     expected="SupportRows or a 2-D integer array",
                 )
             sampled = exact = None
         if width is None:
             width = int(ids.shape[1])
         elif ids.shape[1] != width:
-            raise ReplayDataError(
-                "support", f"rows have width {ids.shape[1]}", trajectory=i, expected=f"width {width}"
-            )
+            raise ReplayDataError("support", f"rows have width {ids.shape[1]}", trajectory=i, expected=f"width {width}")
         prepared.append((ids, sampled, exact))
     return prepared, width or 0
 
@@ -570,19 +570,25 @@ def _response_and_loss_mask(
     resp = np.asarray(response)
     if resp.ndim != 1 or (resp.size and resp.dtype.kind not in "iu"):
         raise ReplayTypeError(
-            "response_ids", f"got dtype {resp.dtype} with shape {resp.shape}", trajectory=i,
+            "response_ids",
+            f"got dtype {resp.dtype} with shape {resp.shape}",
+            trajectory=i,
             expected="a 1-D integer sequence",
         )
     t = resp.shape[0]
     lm = np.asarray(loss_mask)
     if lm.shape != (t,):
         raise ReplayDataError(
-            "loss_mask", f"has shape {lm.shape} for {t} response tokens", trajectory=i,
+            "loss_mask",
+            f"has shape {lm.shape} for {t} response tokens",
+            trajectory=i,
             expected=f"shape ({t},)",
         )
     if n_rows != t:
         raise ReplayDataError(
-            "support", f"{n_rows} rows for {t} response tokens", trajectory=i,
+            "support",
+            f"{n_rows} rows for {t} response tokens",
+            trajectory=i,
             expected="one row per response token",
         )
     if t > seq_len:
@@ -599,7 +605,10 @@ def _check_support_ids(i: int, ids: np.ndarray, resp: np.ndarray, id_limit: int)
     if bad_resp.any():
         tok = int(np.argmax(bad_resp))
         raise ReplayDataError(
-            "response_ids", f"id {int(resp[tok])} out of range", trajectory=i, token=tok,
+            "response_ids",
+            f"id {int(resp[tok])} out of range",
+            trajectory=i,
+            token=tok,
             expected=f"[0, {id_limit + 1})",
         )
     bad = (ids < PAD) | (ids > id_limit)
@@ -607,7 +616,10 @@ def _check_support_ids(i: int, ids: np.ndarray, resp: np.ndarray, id_limit: int)
         tok = int(np.argmax(bad.any(axis=1)))
         val = int(ids[tok][bad[tok]][0])
         raise ReplayDataError(
-            "support", f"id {val} out of range", trajectory=i, token=tok,
+            "support",
+            f"id {val} out of range",
+            trajectory=i,
+            token=tok,
             expected=f"ids in [-1, {id_limit + 1})",
         )
     _check_trailing_padding(ids, "support", i)
@@ -618,15 +630,18 @@ def _check_support_ids(i: int, ids: np.ndarray, resp: np.ndarray, id_limit: int)
             tok = int(np.argmax(dup.any(axis=1)))
             val = int(srt[tok, 1:][dup[tok]][0])
             raise ReplayDataError(
-                "support", f"id {val} appears twice in the row", trajectory=i, token=tok,
+                "support",
+                f"id {val} appears twice in the row",
+                trajectory=i,
+                token=tok,
                 expected="no duplicate ids",
             )
 
 
 def _exact_rows(
     i: int,
-    sampled: Optional[np.ndarray],
-    exact: Optional[np.ndarray],
+    sampled: np.ndarray | None,
+    exact: np.ndarray | None,
     resp: np.ndarray,
     supported: np.ndarray,
     contains: np.ndarray,
@@ -640,16 +655,21 @@ def _exact_rows(
     if mismatch.any():
         tok = int(np.argmax(mismatch))
         raise ReplayDataError(
-            "sampled", f"row was captured for token {int(sampled[tok])} but the response "
-            f"holds {int(resp[tok])}", trajectory=i, token=tok,
+            "sampled",
+            f"row was captured for token {int(sampled[tok])} but the response holds {int(resp[tok])}",
+            trajectory=i,
+            token=tok,
             expected="rows aligned with the response tokens",
         )
     wrong = exact & supported & ~contains
     if wrong.any():
         tok = int(np.argmax(wrong))
         raise ReplayDataError(
-            "exact", "row flagged exact does not contain the response token", trajectory=i,
-            token=tok, expected="exact rows to contain their sampled token",
+            "exact",
+            "row flagged exact does not contain the response token",
+            trajectory=i,
+            token=tok,
+            expected="exact rows to contain their sampled token",
         )
     return exact & supported
 
@@ -670,9 +690,12 @@ def _apply_inexact_policy(
     if policy == "error":
         tok = int(np.argmax(inexact))
         raise ReplayDataError(
-            "exact", "loss-bearing support row is inexact (the sampler's support was wider "
-            "than the recorded row, or the row lacks the sampled token)", trajectory=i,
-            token=tok, expected="exact rows (on_inexact='error')",
+            "exact",
+            "loss-bearing support row is inexact (the sampler's support was wider "
+            "than the recorded row, or the row lacks the sampled token)",
+            trajectory=i,
+            token=tok,
+            expected="exact rows (on_inexact='error')",
         )
     if policy == "mask":
         return ids, lm & ~inexact
@@ -693,15 +716,20 @@ def _count_synthetic_eos(i: int, resp: np.ndarray, empty: np.ndarray, eos: froze
     where_empty = np.flatnonzero(empty)
     if where_empty.size > 1:
         raise ReplayDataError(
-            "support", f"{where_empty.size} loss-bearing tokens have no support row "
-            f"(tokens {where_empty[:8].tolist()})", trajectory=i, token=int(where_empty[1]),
+            "support",
+            f"{where_empty.size} loss-bearing tokens have no support row (tokens {where_empty[:8].tolist()})",
+            trajectory=i,
+            token=int(where_empty[1]),
             expected="at most one per trajectory (the synthetic EOS)",
         )
     tok = int(where_empty[0])
     if int(resp[tok]) not in eos:
         raise ReplayDataError(
-            "support", f"loss-bearing token {int(resp[tok])} has no support row", trajectory=i,
-            token=tok, expected=f"support for every loss-bearing token but the EOS {sorted(eos)}",
+            "support",
+            f"loss-bearing token {int(resp[tok])} has no support row",
+            trajectory=i,
+            token=tok,
+            expected=f"support for every loss-bearing token but the EOS {sorted(eos)}",
         )
     return 1
 
@@ -803,7 +831,7 @@ def _int32_array(values: Any, field: str, *, ndim: int) -> np.ndarray:
     return arr
 
 
-def _check_trailing_padding(ids: np.ndarray, field: str, trajectory: Optional[int]) -> None:
+def _check_trailing_padding(ids: np.ndarray, field: str, trajectory: int | None) -> None:
     if ids.shape[1] < 2:
         return
     valid = ids >= 0
@@ -811,7 +839,10 @@ def _check_trailing_padding(ids: np.ndarray, field: str, trajectory: Optional[in
     if gap.any():
         tok = int(np.argmax(gap.any(axis=1)))
         raise ReplayDataError(
-            field, f"row {ids[tok].tolist()} has -1 before a member", trajectory=trajectory, token=tok,
+            field,
+            f"row {ids[tok].tolist()} has -1 before a member",
+            trajectory=trajectory,
+            token=tok,
             expected="-1 only as trailing padding",
         )
 
@@ -828,7 +859,7 @@ def _empty_rows(width: int) -> SupportRows:
     return SupportRows.empty(0, width)
 
 
-def _eos_set(eos_token_id: Union[int, Iterable[int], None]) -> frozenset:
+def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset:
     if eos_token_id is None:
         return frozenset()
     if isinstance(eos_token_id, (int, np.integer)):

@@ -8,7 +8,8 @@ the trajectory's tokens. :class:`TokenMetadataTrace` holds rows of a fixed schem
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from replay_plugin.core.routes import ROUTE_DTYPES, TrajectoryRoutes, compact
 __all__ = ["TokenMetadataTrace", "RoutedExpertTrace"]
 
 
-def _count(value: Any, field: str, trajectory: Optional[int], minimum: int = 0) -> int:
+def _count(value: Any, field: str, trajectory: int | None, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ReplayTypeError(field, f"got {type(value).__name__}", trajectory=trajectory, expected="an int")
     if value < minimum:
@@ -41,14 +42,14 @@ class TokenMetadataTrace:
         promote_dtypes: allow chunks of different dtypes (see above).
     """
 
-    def __init__(self, field: str = "rows", *, trajectory: Optional[int] = None, promote_dtypes: bool = False) -> None:
+    def __init__(self, field: str = "rows", *, trajectory: int | None = None, promote_dtypes: bool = False) -> None:
         self.field = field
         self.trajectory = trajectory
         self.promote_dtypes = promote_dtypes
         self._chunks: list[np.ndarray] = []
         self._rows = 0
-        self._row_shape: Optional[tuple[int, ...]] = None
-        self._dtype: Optional[np.dtype] = None
+        self._row_shape: tuple[int, ...] | None = None
+        self._dtype: np.dtype | None = None
         self._finalized = False
 
     @property
@@ -82,24 +83,35 @@ class TokenMetadataTrace:
         self._live("append()")
         expected_rows = _count(expected_rows, "expected_rows", self.trajectory)
         if not isinstance(rows, np.ndarray):
-            raise ReplayTypeError(self.field, f"got {type(rows).__name__}", trajectory=self.trajectory, expected="a numpy array")
+            raise ReplayTypeError(
+                self.field, f"got {type(rows).__name__}", trajectory=self.trajectory, expected="a numpy array"
+            )
         if rows.ndim == 0:
             raise ReplayDataError(self.field, "0-d array", trajectory=self.trajectory, expected="[rows, ...]")
         if rows.shape[0] != expected_rows:
             raise ReplayDataError(
-                self.field, f"{rows.shape[0]} rows", trajectory=self.trajectory, token=self._rows,
+                self.field,
+                f"{rows.shape[0]} rows",
+                trajectory=self.trajectory,
+                token=self._rows,
                 expected=f"{expected_rows} rows for this turn",
             )
         if self._row_shape is None:
             self._row_shape, self._dtype = tuple(rows.shape[1:]), rows.dtype
         elif tuple(rows.shape[1:]) != self._row_shape:
             raise ReplayDataError(
-                self.field, f"row shape {list(rows.shape[1:])}", trajectory=self.trajectory, token=self._rows,
+                self.field,
+                f"row shape {list(rows.shape[1:])}",
+                trajectory=self.trajectory,
+                token=self._rows,
                 expected=f"{list(self._row_shape)} as in the first turn",
             )
         elif rows.dtype != self._dtype and not self.promote_dtypes:
             raise ReplayTypeError(
-                self.field, f"dtype {rows.dtype}", trajectory=self.trajectory, token=self._rows,
+                self.field,
+                f"dtype {rows.dtype}",
+                trajectory=self.trajectory,
+                token=self._rows,
                 expected=f"{self._dtype} as in the first turn",
             )
         self._chunks.append(np.array(rows, order="C", copy=True))
@@ -122,11 +134,22 @@ class TokenMetadataTrace:
         self._live("finalize()")
         expected_rows = _count(expected_rows, "expected_rows", self.trajectory)
         if not self._chunks:
-            raise ReplayDataError(self.field, "nothing was appended", trajectory=self.trajectory, expected="at least one append() to fix the row schema")
+            raise ReplayDataError(
+                self.field,
+                "nothing was appended",
+                trajectory=self.trajectory,
+                expected="at least one append() to fix the row schema",
+            )
         if self._rows != expected_rows:
-            raise ReplayDataError(self.field, f"{self._rows} rows in total", trajectory=self.trajectory, expected=f"{expected_rows}")
+            raise ReplayDataError(
+                self.field, f"{self._rows} rows in total", trajectory=self.trajectory, expected=f"{expected_rows}"
+            )
         dtype = np.result_type(*self._chunks) if self.promote_dtypes else self._dtype
-        out = np.concatenate(self._chunks, axis=0, dtype=dtype) if len(self._chunks) > 1 else self._chunks[0].astype(dtype, copy=False)
+        out = (
+            np.concatenate(self._chunks, axis=0, dtype=dtype)
+            if len(self._chunks) > 1
+            else self._chunks[0].astype(dtype, copy=False)
+        )
         self._finalized = True
         self._chunks = []
         return out
@@ -160,7 +183,7 @@ class RoutedExpertTrace:
         trajectory: index used in error messages.
     """
 
-    def __init__(self, *, trajectory: Optional[int] = None) -> None:
+    def __init__(self, *, trajectory: int | None = None) -> None:
         self.trajectory = trajectory
         self._rows = TokenMetadataTrace("routed_experts", trajectory=trajectory, promote_dtypes=True)
 
@@ -197,8 +220,10 @@ class RoutedExpertTrace:
         generated_token_count = _count(generated_token_count, "generated_token_count", self.trajectory, minimum=1)
         if prompt_token_count < self.prompt_start:
             raise ReplayDataError(
-                "prompt_token_count", f"{prompt_token_count} tokens but {self.prompt_start} are already routed",
-                trajectory=self.trajectory, expected=f">= prompt_start {self.prompt_start} (the prompt must extend the recorded history)",
+                "prompt_token_count",
+                f"{prompt_token_count} tokens but {self.prompt_start} are already routed",
+                trajectory=self.trajectory,
+                expected=f">= prompt_start {self.prompt_start} (the prompt must extend the recorded history)",
             )
         routes = compact(routed_experts, trajectory=self.trajectory)
         expected = prompt_token_count - self.prompt_start + generated_token_count - 1
@@ -207,7 +232,7 @@ class RoutedExpertTrace:
     def finalize(
         self,
         token_count: int,
-        loss_mask: Union[Sequence[Any], np.ndarray, Any],
+        loss_mask: Sequence[Any] | np.ndarray | Any,
         *,
         synthetic_eos: bool = False,
     ) -> TrajectoryRoutes:
@@ -243,18 +268,29 @@ class RoutedExpertTrace:
         tr = self.trajectory
         token_count = _count(token_count, "token_count", tr)
         if not isinstance(synthetic_eos, bool):
-            raise ReplayTypeError("synthetic_eos", f"got {type(synthetic_eos).__name__}", trajectory=tr, expected="a bool")
+            raise ReplayTypeError(
+                "synthetic_eos", f"got {type(synthetic_eos).__name__}", trajectory=tr, expected="a bool"
+            )
         mask = _loss_mask(loss_mask, token_count, tr)
         captured = self.prompt_start
         if captured > token_count:
-            raise ReplayDataError("token_count", f"{token_count} tokens but {captured} routed rows", trajectory=tr, expected=f">= {captured}")
+            raise ReplayDataError(
+                "token_count",
+                f"{token_count} tokens but {captured} routed rows",
+                trajectory=tr,
+                expected=f">= {captured}",
+            )
         if synthetic_eos:
             if token_count < 2 or captured > token_count - 2:
                 raise ReplayDataError(
                     "synthetic_eos",
                     f"declared, but the last token's source (token {token_count - 2}) has a captured route",
-                    trajectory=tr, token=token_count - 1,
-                    expected="the EOS appended after the engine's last generated token (then prompt_start <= token_count - 2)",
+                    trajectory=tr,
+                    token=token_count - 1,
+                    expected=(
+                        "the EOS appended after the engine's last generated token (then prompt_start <= "
+                        "token_count - 2)"
+                    ),
                 )
         # Targets t with an uncaptured source t - 1 >= captured, i.e. t in [captured + 1, token_count).
         targets = mask[captured + 1 : token_count].copy()
@@ -265,8 +301,10 @@ class RoutedExpertTrace:
             t = int(missing[0]) + captured + 1
             raise ReplayDataError(
                 "routed_experts",
-                f"missing routed-expert row for loss-bearing target token {t} (its source token {t - 1} was never routed by the engine; {captured} rows captured)",
-                trajectory=tr, token=t,
+                f"missing routed-expert row for loss-bearing target token {t} (its source token {t - 1} was never "
+                f"routed by the engine; {captured} rows captured)",
+                trajectory=tr,
+                token=t,
                 expected=(
                     "routes for every source of a loss-bearing token; if the last token is an EOS "
                     "appended after generation, pass synthetic_eos=True"
@@ -285,17 +323,21 @@ class RoutedExpertTrace:
         return TrajectoryRoutes(routes=out, router_padding_mask=padding)
 
 
-def _loss_mask(loss_mask: Any, token_count: int, trajectory: Optional[int]) -> np.ndarray:
+def _loss_mask(loss_mask: Any, token_count: int, trajectory: int | None) -> np.ndarray:
     if type(loss_mask).__module__.startswith("torch"):
         loss_mask = loss_mask.detach().cpu().numpy()
     if isinstance(loss_mask, (str, bytes)):
-        raise ReplayTypeError("loss_mask", f"got {type(loss_mask).__name__}", trajectory=trajectory, expected="a sequence of 0/1")
+        raise ReplayTypeError(
+            "loss_mask", f"got {type(loss_mask).__name__}", trajectory=trajectory, expected="a sequence of 0/1"
+        )
     try:
         m = np.asarray(loss_mask)
     except (TypeError, ValueError) as exc:
         raise ReplayTypeError("loss_mask", f"{exc}", trajectory=trajectory, expected="a sequence of 0/1") from None
     if m.ndim != 1 or m.shape[0] != token_count:
-        raise ReplayDataError("loss_mask", f"shape {m.shape}", trajectory=trajectory, expected=f"[{token_count}] (one entry per token)")
+        raise ReplayDataError(
+            "loss_mask", f"shape {m.shape}", trajectory=trajectory, expected=f"[{token_count}] (one entry per token)"
+        )
     if m.dtype == np.bool_:
         return m
     if m.size == 0:

@@ -15,7 +15,7 @@ import math
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import orjson
@@ -52,7 +52,7 @@ _MAX_NDIM = 32
 # A dimension must fit numpy's intp even when another dimension is 0 (then no byte count
 # catches it).
 _MAX_DIM = np.iinfo(np.intp).max
-_BytesLike = Union[bytes, bytearray, memoryview]
+_BytesLike = bytes | bytearray | memoryview
 
 # Placeholders carry a per-process random nonce: a document cannot contain one by accident,
 # and a sender cannot forge one because the nonce never leaves the process.
@@ -78,9 +78,7 @@ def _as_numpy(arr: Any) -> np.ndarray:
         out = arr.detach().cpu().numpy()
         if isinstance(out, np.ndarray):
             return out
-    raise TypeError(
-        f"encode_array: expected a numpy array or a tensor with .numpy(), got {type(arr).__name__}"
-    )
+    raise TypeError(f"encode_array: expected a numpy array or a tensor with .numpy(), got {type(arr).__name__}")
 
 
 def _wire_bytes(arr: Any) -> tuple[np.ndarray, str]:
@@ -89,8 +87,7 @@ def _wire_bytes(arr: Any) -> tuple[np.ndarray, str]:
     name = a.dtype.name
     if name not in DTYPES:
         raise TypeError(
-            f"encode_array: dtype {a.dtype} is not carried by the wire format "
-            f"(expected one of {sorted(DTYPES)})"
+            f"encode_array: dtype {a.dtype} is not carried by the wire format (expected one of {sorted(DTYPES)})"
         )
     wire = _WIRE_DTYPE[name]
     if a.dtype != wire or not a.flags.c_contiguous:
@@ -128,7 +125,7 @@ def encode_array(arr: Any) -> dict[str, Any]:
 # decode
 
 
-def _allowed_dtypes(dtypes: Optional[Iterable[Any]]) -> Union[frozenset[str], set[str]]:
+def _allowed_dtypes(dtypes: Iterable[Any] | None) -> frozenset[str] | set[str]:
     if dtypes is None:
         return DTYPES
     if isinstance(dtypes, (str, np.dtype, type)):
@@ -148,7 +145,7 @@ def _allowed_dtypes(dtypes: Optional[Iterable[Any]]) -> Union[frozenset[str], se
     return names
 
 
-def _decoded_length(data: Union[str, _BytesLike]) -> int:
+def _decoded_length(data: str | _BytesLike) -> int:
     """Bytes that padded base64 ``data`` decodes to, from its length and trailing ``=``."""
     n = len(data)
     if n % 4:
@@ -162,7 +159,7 @@ def _decoded_length(data: Union[str, _BytesLike]) -> int:
     return n // 4 * 3 - pad
 
 
-def _check_shape(shape: Any, ndim: Optional[int]) -> tuple[int, ...]:
+def _check_shape(shape: Any, ndim: int | None) -> tuple[int, ...]:
     if not isinstance(shape, (list, tuple)):
         raise TypeError(f"envelope 'shape' must be a list of ints, got {type(shape).__name__}")
     if len(shape) > _MAX_NDIM:
@@ -180,8 +177,8 @@ def _check_shape(shape: Any, ndim: Optional[int]) -> tuple[int, ...]:
 def decode_array(
     obj: Mapping[str, Any],
     *,
-    dtypes: Optional[Iterable[Any]] = None,
-    ndim: Optional[int] = None,
+    dtypes: Iterable[Any] | None = None,
+    ndim: int | None = None,
 ) -> np.ndarray:
     """Decode a wire envelope into a numpy array.
 
@@ -228,9 +225,7 @@ def decode_array(
     expected = math.prod(shape) * dtype.itemsize
     got = _decoded_length(data)
     if got != expected:
-        raise ValueError(
-            f"envelope 'data' decodes to {got} bytes, expected {expected} for {name}{list(shape)}"
-        )
+        raise ValueError(f"envelope 'data' decodes to {got} bytes, expected {expected} for {name}{list(shape)}")
     if expected == 0:
         return np.zeros(shape, dtype=dtype)
     try:
@@ -248,9 +243,7 @@ def decode_array(
 
 def _default(blobs: list[memoryview]) -> Any:
     def default(o: Any) -> Any:
-        if isinstance(o, np.ndarray) or (
-            not isinstance(o, np.generic) and callable(getattr(o, "numpy", None))
-        ):
+        if isinstance(o, np.ndarray) or (not isinstance(o, np.generic) and callable(getattr(o, "numpy", None))):
             a, name = _wire_bytes(o)
             blobs.append(_b64(a))  # the view keeps ``a`` alive until the splice
             return {"data": f"{_NONCE}:{len(blobs) - 1}", "shape": list(a.shape), "dtype": name}
@@ -328,7 +321,7 @@ _KEY_BEFORE = frozenset(b"{, \t\n\r")
 _COLON_QUOTE = re.compile(rb'[ \t\n\r]*:[ \t\n\r]*"')
 
 
-def _splice(raw: _BytesLike) -> Optional[tuple[bytes, list[memoryview]]]:
+def _splice(raw: _BytesLike) -> tuple[bytes, list[memoryview]] | None:
     """Cut the contents of ``"data": "..."`` strings out of ``raw``.
 
     Returns the document with each such string's contents replaced by a placeholder, and
@@ -339,7 +332,7 @@ def _splice(raw: _BytesLike) -> Optional[tuple[bytes, list[memoryview]]]:
     """
     body = raw if isinstance(raw, bytes) else bytes(raw)
     view = memoryview(body)
-    pieces: list[Union[bytes, memoryview]] = []
+    pieces: list[bytes | memoryview] = []
     blobs: list[memoryview] = []
     pos = 0
     scan = 0
@@ -366,7 +359,7 @@ def _splice(raw: _BytesLike) -> Optional[tuple[bytes, list[memoryview]]]:
     return b"".join(pieces), blobs
 
 
-def _restore(value: str, blobs: list[memoryview]) -> Optional[memoryview]:
+def _restore(value: str, blobs: list[memoryview]) -> memoryview | None:
     """The blob a placeholder stands for, or None when ``value`` is no placeholder."""
     if not value.startswith(_NONCE):
         return None
@@ -386,7 +379,7 @@ def _blob_text(blob: memoryview) -> str:
         raise ValueError(f"wire document: {exc}") from None
 
 
-def _decode_tree(doc: Any, blobs: list[memoryview], dtypes: Optional[Iterable[Any]]) -> Any:
+def _decode_tree(doc: Any, blobs: list[memoryview], dtypes: Iterable[Any] | None) -> Any:
     """Put cut strings back and decode envelopes, iteratively (documents nest up to 1024)."""
 
     def visit(node: dict[str, Any]) -> Any:
@@ -429,10 +422,10 @@ def _decode_tree(doc: Any, blobs: list[memoryview], dtypes: Optional[Iterable[An
 
 
 def loads(
-    data: Union[str, _BytesLike],
+    data: str | _BytesLike,
     *,
     arrays: bool = True,
-    dtypes: Optional[Iterable[Any]] = None,
+    dtypes: Iterable[Any] | None = None,
 ) -> Any:
     """Parse an orjson document and decode every wire envelope in it into a numpy array.
 

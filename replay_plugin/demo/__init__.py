@@ -62,8 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precisions", default="float32,bfloat16", help="trainer precisions (default float32,bfloat16)")
-    p.add_argument("--trainer", choices=("megatron", "hf"), default="megatron",
-                   help="megatron (default) or hf: the HF/FSDP replay path, sampler-support settings only")
+    p.add_argument(
+        "--trainer",
+        choices=("megatron", "hf"),
+        default="megatron",
+        help="megatron (default) or hf: the HF/FSDP replay path, sampler-support settings only",
+    )
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG histogram of log-ratios per setting")
 
@@ -113,11 +117,20 @@ def run(args: Any) -> list[dict]:
         progress("building the embedded tiny Qwen3-MoE model (cached after the first run)")
         model_dir = build_tiny_moe(config=_demo_model())
     prompts = _prompts(args)
-    progress(f"starting vLLM and rolling out {len(prompts)} prompts x {args.max_tokens} tokens "
-             f"(top_k={args.top_k}, top_p={args.top_p}, temperature={args.temperature})")
-    spec = rollout.RolloutSpec(model=model_dir, prompts=prompts, max_tokens=args.max_tokens, top_k=args.top_k,
-                               top_p=args.top_p, temperature=args.temperature, seed=args.seed,
-                               routes=args.trainer == "megatron")
+    progress(
+        f"starting vLLM and rolling out {len(prompts)} prompts x {args.max_tokens} tokens "
+        f"(top_k={args.top_k}, top_p={args.top_p}, temperature={args.temperature})"
+    )
+    spec = rollout.RolloutSpec(
+        model=model_dir,
+        prompts=prompts,
+        max_tokens=args.max_tokens,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        temperature=args.temperature,
+        seed=args.seed,
+        routes=args.trainer == "megatron",
+    )
     with tempfile.TemporaryDirectory() as work:
         trajectories = rollout.run_in_child(spec, work)
 
@@ -137,9 +150,16 @@ def run(args: Any) -> list[dict]:
 
         rows, log_ratios = score_hf(model_dir, trajectories, pad_id, eos_id, precisions, args.temperature, progress)
     print(report.table(rows))
-    meta = {"model": model_dir, "prompts": len(prompts), "tokens": int(sum(len(t.response) for t in trajectories)),
-            "top_k": args.top_k, "top_p": args.top_p, "temperature": args.temperature, "trainer": args.trainer,
-            "seconds": round(time.time() - start, 1)}
+    meta = {
+        "model": model_dir,
+        "prompts": len(prompts),
+        "tokens": int(sum(len(t.response) for t in trajectories)),
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "temperature": args.temperature,
+        "trainer": args.trainer,
+        "seconds": round(time.time() - start, 1),
+    }
     if args.json:
         report.write_json(args.json, rows, meta)
         progress(f"wrote {args.json}")
@@ -150,8 +170,9 @@ def run(args: Any) -> list[dict]:
     return rows
 
 
-def _score_megatron(model_dir: str, trajectories: list, pad_id: int, eos_id: int, precisions: list[str],
-                    temperature: float) -> tuple[list[dict], dict]:
+def _score_megatron(
+    model_dir: str, trajectories: list, pad_id: int, eos_id: int, precisions: list[str], temperature: float
+) -> tuple[list[dict], dict]:
     import torch
 
     from . import cpu, report
@@ -173,12 +194,17 @@ def _score_megatron(model_dir: str, trajectories: list, pad_id: int, eos_id: int
         for setting in SETTINGS:
             t = time.time()
             scored = score(model, batch, setting, temperature=temperature)
-            row = {"precision": precision, "replay": setting,
-                   **report.figures(scored.logprobs, rollout_lp, scored.route_match)}
+            row = {
+                "precision": precision,
+                "replay": setting,
+                **report.figures(scored.logprobs, rollout_lp, scored.route_match),
+            }
             rows.append(row)
             log_ratios[(precision, setting)] = scored.logprobs.astype("float64") - rollout_lp
-            progress(f"scored {precision} / {setting} in {time.time() - t:.1f} s: "
-                     f"mean|d|={row['mean_abs_delta']:.2e} mean ratio={row['mean_ratio']:.4f}")
+            progress(
+                f"scored {precision} / {setting} in {time.time() - t:.1f} s: "
+                f"mean|d|={row['mean_abs_delta']:.2e} mean ratio={row['mean_ratio']:.4f}"
+            )
         del model
     return rows, log_ratios
 

@@ -24,7 +24,9 @@ def read_hf_config(directory: str) -> dict:
         cfg = json.load(fh)
     arch = (cfg.get("architectures") or [None])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedCheckpointError(f"architectures={cfg.get('architectures')}: expected one of {SUPPORTED_ARCHITECTURES}")
+        raise UnsupportedCheckpointError(
+            f"architectures={cfg.get('architectures')}: expected one of {SUPPORTED_ARCHITECTURES}"
+        )
     checks = {
         "mlp_only_layers": (cfg.get("mlp_only_layers") or [], []),
         "decoder_sparse_step": (cfg.get("decoder_sparse_step", 1), 1),
@@ -140,7 +142,7 @@ def convert_state_dict(hf: dict, cfg: dict) -> dict:
     heads, groups = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     q_per_group = heads // groups
-    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    n_experts = cfg.get("num_experts") or cfg["num_local_experts"]
     out = {
         "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
         "decoder.final_layernorm.weight": hf["model.norm.weight"],

@@ -10,7 +10,8 @@ every transformers model before :func:`apply`: its rotary ``inv_freq`` would oth
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "randn", "rand")
 _applied = False
@@ -26,9 +27,11 @@ def _cpu_factory(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def factory(*args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
-        if (isinstance(device, str) and device.startswith("cuda")) or (
-            isinstance(device, torch.device) and device.type == "cuda"
-        ) or (isinstance(device, int) and not isinstance(device, bool)):
+        if (
+            (isinstance(device, str) and device.startswith("cuda"))
+            or (isinstance(device, torch.device) and device.type == "cuda")
+            or (isinstance(device, int) and not isinstance(device, bool))
+        ):
             kwargs["device"] = "cpu"
         return fn(*args, **kwargs)
 

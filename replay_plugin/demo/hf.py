@@ -8,13 +8,20 @@ does not exist yet, so ``route_agreement`` is reported as None.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 
-def score_hf(model_dir: str, trajectories: list, pad_id: int, eos_id: int, precisions: list[str],
-             temperature: float, progress: Callable[[str], None]) -> tuple[list[dict], dict]:
+def score_hf(
+    model_dir: str,
+    trajectories: list,
+    pad_id: int,
+    eos_id: int,
+    precisions: list[str],
+    temperature: float,
+    progress: Callable[[str], None],
+) -> tuple[list[dict], dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -30,11 +37,16 @@ def score_hf(model_dir: str, trajectories: list, pad_id: int, eos_id: int, preci
     rollout = np.zeros((B, A), dtype=np.float32)
     for i, t in enumerate(trajectories):
         seq = np.concatenate([t.prompt, t.response])
-        input_ids[i, S - len(seq):] = torch.from_numpy(seq.astype(np.int64))
-        attention[i, S - len(seq):] = True
-        rollout[i, A - len(t.response):] = t.support.sampled_logprob
-    dense = dense_support_batch([t.support for t in trajectories], [t.response for t in trajectories],
-                                [np.ones(len(t.response), dtype=bool) for t in trajectories], S, eos_id)
+        input_ids[i, S - len(seq) :] = torch.from_numpy(seq.astype(np.int64))
+        attention[i, S - len(seq) :] = True
+        rollout[i, A - len(t.response) :] = t.support.sampled_logprob
+    dense = dense_support_batch(
+        [t.support for t in trajectories],
+        [t.response for t in trajectories],
+        [np.ones(len(t.response), dtype=bool) for t in trajectories],
+        S,
+        eos_id,
+    )
     support_ids = torch.from_numpy(np.asarray(dense.ids))
     loss_mask = torch.from_numpy(np.asarray(dense.loss_mask)[:, -A:])
     target = loss_mask.numpy()
@@ -48,19 +60,28 @@ def score_hf(model_dir: str, trajectories: list, pad_id: int, eos_id: int, preci
         progress(f"loading the {precision} HF model")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention.long(), position_ids=position_ids,
-                           use_cache=False).logits
+            logits = model(
+                input_ids=input_ids, attention_mask=attention.long(), position_ids=position_ids, use_cache=False
+            ).logits
         for setting, replay in (("none", False), ("support", True)):
             t0 = time.time()
-            lp = response_logprobs(logits, input_ids, attention, A, support_ids=support_ids, loss_mask=loss_mask,
-                                   replay=replay, temperature=temperature)
+            lp = response_logprobs(
+                logits,
+                input_ids,
+                attention,
+                A,
+                support_ids=support_ids,
+                loss_mask=loss_mask,
+                replay=replay,
+                temperature=temperature,
+            )
             trainer = lp.numpy()[target]
             row = {"precision": precision, "replay": setting, **report.figures(trainer, rollout_lp, None)}
             rows.append(row)
             log_ratios[(precision, setting)] = trainer.astype("float64") - rollout_lp
-            progress(f"scored {precision} / {setting} in {time.time() - t0:.1f} s: "
-                     f"mean|d|={row['mean_abs_delta']:.2e} mean ratio={row['mean_ratio']:.4f}")
+            progress(
+                f"scored {precision} / {setting} in {time.time() - t0:.1f} s: "
+                f"mean|d|={row['mean_abs_delta']:.2e} mean ratio={row['mean_ratio']:.4f}"
+            )
         del model, logits
     return rows, log_ratios
-
-

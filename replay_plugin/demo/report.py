@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 import numpy as np
 
-COLUMNS = ("precision", "replay", "mean_abs_delta", "max_abs_delta", "k3_kl", "mean_ratio",
-           "frac_ratio_outside", "route_agreement")
+COLUMNS = (
+    "precision",
+    "replay",
+    "mean_abs_delta",
+    "max_abs_delta",
+    "k3_kl",
+    "mean_ratio",
+    "frac_ratio_outside",
+    "route_agreement",
+)
 
 
-def figures(trainer: np.ndarray, rollout: np.ndarray, route_match: Optional[np.ndarray]) -> dict:
+def figures(trainer: np.ndarray, rollout: np.ndarray, route_match: np.ndarray | None) -> dict:
     """Mismatch between the trainer's and the rollout's logprobs of the same tokens.
 
     ``log_ratio = trainer - rollout`` (the importance ratio ``pi_train / pi_rollout`` in log);
@@ -37,11 +44,22 @@ def table(rows: list[dict]) -> str:
     cells = [head]
     for r in rows:
         agree = "-" if r["route_agreement"] is None else f"{100 * r['route_agreement']:.1f}%"
-        cells.append((r["precision"], r["replay"], f"{r['mean_abs_delta']:.2e}", f"{r['max_abs_delta']:.2e}",
-                      f"{r['k3_kl']:.2e}", f"{r['mean_ratio']:.5f}", f"{100 * r['frac_ratio_outside']:.1f}%", agree))
+        cells.append(
+            (
+                r["precision"],
+                r["replay"],
+                f"{r['mean_abs_delta']:.2e}",
+                f"{r['max_abs_delta']:.2e}",
+                f"{r['k3_kl']:.2e}",
+                f"{r['mean_ratio']:.5f}",
+                f"{100 * r['frac_ratio_outside']:.1f}%",
+                agree,
+            )
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in cells]
+    lines = [
+        "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -69,8 +87,13 @@ def write_plot(path: str, rows: list[dict], log_ratios: dict) -> None:
         bins = np.linspace(min(lo, -1e-3), max(hi, 1e-3), 60)
         for r in rows:
             if r["precision"] == precision:
-                ax.hist(log_ratios[(precision, r["replay"])], bins=bins, histtype="step", linewidth=1.5,
-                        label=f"{r['replay']} (mean ratio {r['mean_ratio']:.4f})")
+                ax.hist(
+                    log_ratios[(precision, r["replay"])],
+                    bins=bins,
+                    histtype="step",
+                    linewidth=1.5,
+                    label=f"{r['replay']} (mean ratio {r['mean_ratio']:.4f})",
+                )
         ax.set_yscale("log")
         ax.set_title(f"trainer {precision}: log(pi_train / pi_rollout) per token")
         ax.set_xlabel("log ratio")

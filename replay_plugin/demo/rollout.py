@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -30,7 +29,7 @@ class Trajectory:
     prompt: np.ndarray
     response: np.ndarray
     support: object
-    routes: Optional[np.ndarray]
+    routes: np.ndarray | None
 
 
 @dataclass
@@ -58,8 +57,13 @@ def run_in_child(spec: RolloutSpec, workdir: str) -> list[Trajectory]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS"] = "opt-in"
-    proc = subprocess.run([sys.executable, "-m", "replay_plugin.demo.rollout", spec_path, out_path], env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "replay_plugin.demo.rollout", spec_path, out_path],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     if proc.returncode != 0 or not os.path.exists(out_path):
         raise RuntimeError(f"the vLLM rollout failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
     for line in proc.stderr.splitlines():
@@ -77,13 +81,25 @@ def generate(spec: RolloutSpec) -> list[Trajectory]:
 
     start = time.time()
     width = spec.top_k + 16
-    llm = LLM(model=spec.model, dtype="float32", enforce_eager=True, max_model_len=1024, seed=spec.seed,
-              enable_return_routed_experts=spec.routes, max_num_seqs=max(8, len(spec.prompts)),
-              max_logprobs=max(128, width))
+    llm = LLM(
+        model=spec.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        seed=spec.seed,
+        enable_return_routed_experts=spec.routes,
+        max_num_seqs=max(8, len(spec.prompts)),
+        max_logprobs=max(128, width),
+    )
     _progress(f"vLLM engine up in {time.time() - start:.1f} s")
-    params = SamplingParams(temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p,
-                            max_tokens=spec.max_tokens, seed=spec.seed,
-                            extra_args={"replay_sample_support": True})
+    params = SamplingParams(
+        temperature=spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
+        max_tokens=spec.max_tokens,
+        seed=spec.seed,
+        extra_args={"replay_sample_support": True},
+    )
     start = time.time()
     outputs = llm.generate(spec.prompts, params, use_tqdm=False)
     trajectories = []
@@ -91,15 +107,19 @@ def generate(spec: RolloutSpec) -> list[Trajectory]:
         completion = out.outputs[0]
         support = support_of(completion)
         if support is None:
-            raise RuntimeError("vLLM returned no sample_support: is the vllm.sample_support patch applied? "
-                               "(replay-plugin status --import vllm)")
+            raise RuntimeError(
+                "vLLM returned no sample_support: is the vllm.sample_support patch applied? "
+                "(replay-plugin status --import vllm)"
+            )
         routes = getattr(completion, "routed_experts", None)
-        trajectories.append(Trajectory(
-            prompt=np.asarray(out.prompt_token_ids, dtype=np.int32),
-            response=np.asarray(completion.token_ids, dtype=np.int32),
-            support=support,
-            routes=None if routes is None else np.asarray(routes),
-        ))
+        trajectories.append(
+            Trajectory(
+                prompt=np.asarray(out.prompt_token_ids, dtype=np.int32),
+                response=np.asarray(completion.token_ids, dtype=np.int32),
+                support=support,
+                routes=None if routes is None else np.asarray(routes),
+            )
+        )
     tokens = sum(len(t.response) for t in trajectories)
     _progress(f"rollout: {len(trajectories)} prompts, {tokens} tokens in {time.time() - start:.1f} s")
     try:

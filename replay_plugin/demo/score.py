@@ -15,8 +15,9 @@ Route agreement is measured from what the routers actually did (a forward hook o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 
@@ -27,13 +28,13 @@ SETTINGS = ("none", "routes", "support", "both")
 class Batch:
     """Host-side batch built once from the rollout (all ``[B, S]`` unless noted)."""
 
-    input_ids: np.ndarray          # int64, left-padded
-    attention_mask: np.ndarray     # bool
-    response_mask: np.ndarray      # bool, True at response tokens
-    rollout_logprobs: np.ndarray   # float32, vLLM's processed logprob at response tokens
-    routes: Optional[np.ndarray]   # [B, S, L, K] compact, pad_batch
-    router_padding_mask: Optional[np.ndarray]  # bool, True = no recorded route
-    support: np.ndarray            # int32 [B, S, W], right-aligned rows, -1 elsewhere
+    input_ids: np.ndarray  # int64, left-padded
+    attention_mask: np.ndarray  # bool
+    response_mask: np.ndarray  # bool, True at response tokens
+    rollout_logprobs: np.ndarray  # float32, vLLM's processed logprob at response tokens
+    routes: np.ndarray | None  # [B, S, L, K] compact, pad_batch
+    router_padding_mask: np.ndarray | None  # bool, True = no recorded route
+    support: np.ndarray  # int32 [B, S, W], right-aligned rows, -1 elsewhere
     pad_id: int
     num_inexact: int
 
@@ -50,26 +51,32 @@ def make_batch(trajectories: list, pad_id: int, eos_id: int) -> Batch:
     rollout_lp = np.zeros((B, S), dtype=np.float32)
     for i, t in enumerate(trajectories):
         seq = np.concatenate([t.prompt, t.response]).astype(np.int64)
-        input_ids[i, S - len(seq):] = seq
-        attention[i, S - len(seq):] = True
-        response[i, S - len(t.response):] = True
-        rollout_lp[i, S - len(t.response):] = t.support.sampled_logprob
-    dense = dense_support_batch([t.support for t in trajectories], [t.response for t in trajectories],
-                                [np.ones(len(t.response), dtype=bool) for t in trajectories], S, eos_id)
+        input_ids[i, S - len(seq) :] = seq
+        attention[i, S - len(seq) :] = True
+        response[i, S - len(t.response) :] = True
+        rollout_lp[i, S - len(t.response) :] = t.support.sampled_logprob
+    dense = dense_support_batch(
+        [t.support for t in trajectories],
+        [t.response for t in trajectories],
+        [np.ones(len(t.response), dtype=bool) for t in trajectories],
+        S,
+        eos_id,
+    )
     routes = rpm = None
     if all(t.routes is not None for t in trajectories):
         routes, rpm_t = pad_batch([t.routes for t in trajectories], attention)
         rpm = rpm_t.numpy()
-    return Batch(input_ids, attention, response, rollout_lp, routes, rpm, np.asarray(dense.ids), pad_id,
-                 int(dense.num_inexact))
+    return Batch(
+        input_ids, attention, response, rollout_lp, routes, rpm, np.asarray(dense.ids), pad_id, int(dense.num_inexact)
+    )
 
 
 @dataclass
 class Scored:
     """Per response token, flattened over the batch in row-major order."""
 
-    logprobs: np.ndarray         # float32 [N]
-    route_match: Optional[np.ndarray]  # bool [N]: experts equal the rollout's in every layer
+    logprobs: np.ndarray  # float32 [N]
+    route_match: np.ndarray | None  # bool [N]: experts equal the rollout's in every layer
 
 
 class _RoutingSpy:
@@ -87,6 +94,7 @@ class _RoutingSpy:
     def _hook(self, module: Any) -> Callable:
         def hook(mod, args, output):
             self.maps[int(mod.layer_number)] = output[1].detach()
+
         return hook
 
     def remove(self) -> None:
@@ -122,8 +130,14 @@ def score(model: Any, batch: Batch, setting: str, *, temperature: float = 1.0) -
             clear_routes(model)
     input_ids = torch.from_numpy(batch.input_ids)
     if use_support:
-        per_pos = replay_response_logprobs(logits, input_ids, layout, support_ids=torch.from_numpy(batch.support),
-                                           loss_mask=torch.from_numpy(batch.response_mask), temperature=temperature)
+        per_pos = replay_response_logprobs(
+            logits,
+            input_ids,
+            layout,
+            support_ids=torch.from_numpy(batch.support),
+            loss_mask=torch.from_numpy(batch.response_mask),
+            temperature=temperature,
+        )
     else:  # the trainer's ordinary logprob (Megatron's vocab_parallel_cross_entropy)
         per_pos = replay_response_logprobs(logits, input_ids, layout, temperature=temperature)
     target = batch.response_mask[:, 1:]  # position s scores token s + 1
@@ -141,6 +155,8 @@ def _route_agreement(maps: dict, batch: Batch, layout: Any, aligned_shape: tuple
     import torch
 
     B, A = aligned_shape
+    if batch.routes is None:
+        raise ValueError("route agreement needs the rollout's routed experts (batch.routes is None)")
     routes = torch.from_numpy(batch.routes.astype(np.int64))
     k = routes.shape[-1]
     match = torch.ones(B, A, dtype=torch.bool)

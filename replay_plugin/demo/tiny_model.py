@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 CORPUS = (
     "the router sends each token to its top experts and the trainer must replay them exactly. "
@@ -81,12 +80,13 @@ def build_tokenizer(directory: str, vocab_size: int) -> None:
         show_progress=False,
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                   bos_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
     fast.save_pretrained(directory)
 
 
-def build_tiny_moe(directory: Optional[str] = None, config: Optional[TinyMoEConfig] = None) -> str:
+def build_tiny_moe(directory: str | None = None, config: TinyMoEConfig | None = None) -> str:
     """Build (or reuse) the checkpoint; returns its directory."""
     import torch
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM

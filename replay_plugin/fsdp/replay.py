@@ -11,7 +11,7 @@ every check that can reject data runs where all SP ranks reject together.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,15 +37,15 @@ def response_logprobs(
     attention_mask: torch.Tensor,
     num_actions: int,
     *,
-    support_ids: Optional[Any] = None,
-    loss_mask: Optional[Any] = None,
+    support_ids: Any | None = None,
+    loss_mask: Any | None = None,
     replay: bool = True,
-    lm_head_weight: Optional[torch.Tensor] = None,
+    lm_head_weight: torch.Tensor | None = None,
     temperature: float = 1.0,
-    indices: Optional[torch.Tensor] = None,
-    sp_group: Optional["torch.distributed.ProcessGroup"] = None,
+    indices: torch.Tensor | None = None,
+    sp_group: torch.distributed.ProcessGroup | None = None,
     grad_scaler: bool = True,
-    width: Optional[int] = None,
+    width: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
     """Response logprobs ``[B, num_actions]`` of one microbatch, replayed over the recorded support.
@@ -96,8 +96,10 @@ def response_logprobs(
         that has a support row not containing it, or that is its trajectory's second
         loss-bearing token without support; a supported logprob that is not finite.
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        np.isfinite(temperature) and temperature > 0
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (np.isfinite(temperature) and temperature > 0)
     ):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
     if not isinstance(source, torch.Tensor) or not source.is_floating_point():
@@ -111,7 +113,9 @@ def response_logprobs(
     if tuple(mask.shape) != (batch, seq):
         raise ReplayDataError("attention_mask", f"shape {tuple(mask.shape)}", expected=f"{(batch, seq)} like input_ids")
     if isinstance(num_actions, bool) or not isinstance(num_actions, (int, np.integer)) or not 1 <= num_actions < seq:
-        raise ReplayDataError("num_actions", f"got {num_actions!r} for {seq} columns", expected=f"an int in [1, {seq - 1}]")
+        raise ReplayDataError(
+            "num_actions", f"got {num_actions!r} for {seq} columns", expected=f"an int in [1, {seq - 1}]"
+        )
     num_actions = int(num_actions)
     sp_size, sp_rank = _sp(sp_group)
 
@@ -175,7 +179,7 @@ def _sp(group) -> tuple[int, int]:
     return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
 
 
-def _targets(mask: torch.Tensor, indices: Optional[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+def _targets(mask: torch.Tensor, indices: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``target [b_l, n]``: flat ``[B * S]`` index of the token each layout position predicts
     (-1 for none); ``predictor_of [B, S]``: True where a token has a predicting position."""
     batch, seq = mask.shape
@@ -190,7 +194,8 @@ def _targets(mask: torch.Tensor, indices: Optional[torch.Tensor], device) -> tup
     expected = mask.reshape(-1).nonzero().squeeze(1)
     if idx.shape != expected.shape or not bool(torch.equal(idx, expected)):
         raise ReplayDataError(
-            "indices", f"{idx.numel()} indices that are not the attention mask's {expected.numel()} valid positions",
+            "indices",
+            f"{idx.numel()} indices that are not the attention mask's {expected.numel()} valid positions",
             expected="unpad_input's indices for this attention_mask (valid positions, row-major)",
         )
     row = idx // max(seq, 1)
@@ -220,12 +225,14 @@ def _local_source(source: torch.Tensor, shape, packed: bool, lm_head_weight) -> 
         kind = "hidden states" if lm_head_weight is not None else "logits"
         want = f"[{part}, D] or [1, {part}, D]" if packed else f"[{b_l}, {part}, D]"
         raise ReplayDataError(
-            "source", f"{kind} of shape {tuple(source.shape)}",
+            "source",
+            f"{kind} of shape {tuple(source.shape)}",
             expected=f"{want} for this rank's positions of the {'remove-padding' if packed else 'padded'} layout",
         )
     if lm_head_weight is not None and (lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != source.shape[-1]):
         raise ReplayDataError(
-            "lm_head_weight", f"shape {tuple(lm_head_weight.shape)} for hidden size {source.shape[-1]}",
+            "lm_head_weight",
+            f"shape {tuple(lm_head_weight.shape)} for hidden size {source.shape[-1]}",
             expected="[V, H], the full LM-head weight",
         )
     return source
@@ -240,24 +247,28 @@ def _replay_metadata(input_ids, mask, num_actions, support_ids, loss_mask, width
     batch, seq = input_ids.shape
     if support_ids is None:
         raise ReplayDataError(
-            "support_ids", "replay is on but no recorded support was given",
+            "support_ids",
+            "replay is on but no recorded support was given",
             expected="the dense support batch [B, S, W] (core.support.dense_support_batch) or replay=False",
         )
     if loss_mask is None:
         raise ReplayDataError(
-            "loss_mask", "replay is on but no loss mask was given",
+            "loss_mask",
+            "replay is on but no loss mask was given",
             expected=f"the response loss mask [{batch}, {num_actions}]",
         )
     support = _int_tensor(support_ids, "support_ids", device)
     if support.dim() != 3 or tuple(support.shape[:2]) != (batch, seq):
         raise ReplayDataError(
-            "support_ids", f"shape {tuple(support.shape)} for input_ids {(batch, seq)}",
+            "support_ids",
+            f"shape {tuple(support.shape)} for input_ids {(batch, seq)}",
             expected=f"[{batch}, {seq}, W]: one support row per token",
         )
     w = support.shape[2]
     if w < 1 or (width is not None and w != width):
         raise ReplayDataError(
-            "support_ids", f"rows have width {w}",
+            "support_ids",
+            f"rows have width {w}",
             expected=f"width {width}" if width is not None else "width >= 1",
         )
     lm = _bool_tensor(loss_mask, "loss_mask", device)
@@ -292,27 +303,38 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
     if checks.pop(0):
         b, s = (int(v) for v in outside.nonzero()[0])
         raise ReplayDataError(
-            "support_ids", f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
-            trajectory=b, token=s - first, expected=f"ids in [0, {vocab}) and -1 padding",
+            "support_ids",
+            f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
+            trajectory=b,
+            token=s - first,
+            expected=f"ids in [0, {vocab}) and -1 padding",
         )
     if checks[0]:
         b, s = (int(v) for v in no_predictor.nonzero()[0])
         raise ReplayDataError(
-            "loss_mask", "loss-bearing token has no predicting position (it is its row's first valid token, "
-            "or a padding position)", trajectory=b, token=s - first,
+            "loss_mask",
+            "loss-bearing token has no predicting position (it is its row's first valid token, or a padding position)",
+            trajectory=b,
+            token=s - first,
             expected="loss only on valid tokens that follow another valid token",
         )
     if checks[1]:
         b, s = (int(v) for v in not_member.nonzero()[0])
         raise ReplayDataError(
-            "support_ids", f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
-            trajectory=b, token=s - first, expected="every loss-bearing support row to contain its sampled token",
+            "support_ids",
+            f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
+            trajectory=b,
+            token=s - first,
+            expected="every loss-bearing support row to contain its sampled token",
         )
     b = int(extra.nonzero()[0, 0])
     tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
     raise ReplayDataError(
-        "support_ids", f"response tokens {tokens} are loss-bearing without a support row", trajectory=b,
-        token=tokens[0], expected="support for every loss-bearing token but one synthetic EOS per trajectory",
+        "support_ids",
+        f"response tokens {tokens} are loss-bearing without a support row",
+        trajectory=b,
+        token=tokens[0],
+        expected="support for every loss-bearing token but one synthetic EOS per trajectory",
     )
 
 
@@ -439,8 +461,11 @@ def _check_finite(values: torch.Tensor, valid: torch.Tensor, target: torch.Tenso
         flat = int(target[pos[0], pos[1]])
         b, s = divmod(flat, seq)
         raise ReplayDataError(
-            "support_ids", "the replayed logprob is not finite: no support member lies in the vocabulary, "
-            "or the logits are not finite", trajectory=b, token=s - (seq - num_actions),
+            "support_ids",
+            "the replayed logprob is not finite: no support member lies in the vocabulary, "
+            "or the logits are not finite",
+            trajectory=b,
+            token=s - (seq - num_actions),
             expected="support ids inside the vocabulary and finite logits",
         )
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import inspect
 import traceback
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..patcher import Patcher, patch_marker
 from ..spec import PatchSpec, ProbeResult
@@ -79,14 +80,17 @@ def probe_function(fn: Callable[..., Any], pad_keyword: str, *, stand_in_group: 
     call = _with_stand_in_group(fn) if stand_in_group and isinstance(fn, types.FunctionType) else fn
     for with_positions in (False, True):
         try:
-            out = call(x, position_ids_rmpad=positions if with_positions else None, sp_size=2,
-                       **{pad_keyword: _PROBE_PAD})
+            out = call(
+                x, position_ids_rmpad=positions if with_positions else None, sp_size=2, **{pad_keyword: _PROBE_PAD}
+            )
         except Exception as exc:  # noqa: BLE001 - any failure on N-D input is the gap
             frames = traceback.extract_tb(exc.__traceback__)
             where = f" at `{frames[-1].line}`" if frames and frames[-1].line else ""
             detail = f": {exc}" if str(exc) else ""
             also = " with position ids" if with_positions else ""
-            return ProbeResult(True, f"{name} rejects [batch, seq, ...] input{also} ({type(exc).__name__}{detail}{where})")
+            return ProbeResult(
+                True, f"{name} rejects [batch, seq, ...] input{also} ({type(exc).__name__}{detail}{where})"
+            )
         padded = out[0] if isinstance(out, tuple) else out
         if not torch.is_tensor(padded) or tuple(padded.shape) != (1, 6, 3):
             shape = tuple(padded.shape) if torch.is_tensor(padded) else type(padded).__name__
@@ -94,7 +98,7 @@ def probe_function(fn: Callable[..., Any], pad_keyword: str, *, stand_in_group: 
         if not bool((padded[:, :5] == x).all()) or not bool((padded[:, 5] == _PROBE_PAD).all()):
             return ProbeResult(True, f"{name} does not pad the sequence dimension with the {pad_keyword} value")
         pos = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-        if with_positions and (not torch.is_tensor(pos) or tuple(pos.shape) != (1, 6)):
+        if with_positions and (pos is None or not torch.is_tensor(pos) or tuple(pos.shape) != (1, 6)):
             return ProbeResult(True, f"{name} does not pad the position ids along with [batch, seq, ...] input")
     return ProbeResult(False, f"{name} pads [batch, seq, ...] input along the sequence with {pad_keyword}")
 

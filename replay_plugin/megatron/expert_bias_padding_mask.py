@@ -13,11 +13,11 @@ masks the routing map itself and calls the original with ``padding_mask=None``. 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..patcher import Patcher
 from ..spec import PatchSpec, ProbeResult
-
 
 
 class _ProbeRouter:
@@ -38,9 +38,7 @@ def probe_function(apply_expert_bias: Callable[..., Any]) -> ProbeResult:
     """
     import torch
 
-    routing_map = torch.tensor(
-        [[True, True, False, False], [False, True, True, False], [False, False, True, True]]
-    )
+    routing_map = torch.tensor([[True, True, False, False], [False, True, True, False], [False, False, True, True]])
     padding_mask = torch.tensor([False, True, False])  # True = padding
     expected = [1.0, 1.0, 1.0, 1.0]
     router = _ProbeRouter(4)
@@ -48,9 +46,15 @@ def probe_function(apply_expert_bias: Callable[..., Any]) -> ProbeResult:
         with torch.enable_grad():
             apply_expert_bias(router, routing_map, padding_mask=padding_mask)
     except AttributeError as exc:  # an upstream that reads more than the stand-in has
-        return ProbeResult(True, f"probe could not run _apply_expert_bias on a stand-in router ({exc!r}); patching (harmless when not needed)")
+        return ProbeResult(
+            True,
+            f"probe could not run _apply_expert_bias on a stand-in router ({exc!r}); patching (harmless when not "
+            "needed)",
+        )
     except Exception as exc:  # noqa: BLE001 - the bug is a broadcasting RuntimeError
-        return ProbeResult(True, f"a [tokens] padding mask with 3 tokens and 4 experts raises {type(exc).__name__}: {exc}")
+        return ProbeResult(
+            True, f"a [tokens] padding mask with 3 tokens and 4 experts raises {type(exc).__name__}: {exc}"
+        )
     got = router.local_tokens_per_expert.tolist()
     if got != expected:
         return ProbeResult(True, f"a [tokens] padding mask miscounts expert-bias tokens: {got} instead of {expected}")

@@ -17,7 +17,7 @@ import dataclasses
 import inspect
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -57,9 +57,9 @@ class _ModelState:
         self.routers: tuple[_Router, ...] = tuple(routers)
         self.layer_numbers = tuple(r.layer + 1 for r in routers)
         config = routers[0].module.config if routers else getattr(lm, "config", None)
-        self.num_layers: Optional[int] = getattr(config, "num_layers", None)
-        self.topk: Optional[int] = routers[0].module.topk if routers else None
-        self.num_experts: Optional[int] = routers[0].module.config.num_moe_experts if routers else None
+        self.num_layers: int | None = getattr(config, "num_layers", None)
+        self.topk: int | None = routers[0].module.topk if routers else None
+        self.num_experts: int | None = routers[0].module.config.num_moe_experts if routers else None
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         if routers:
             self.tp_group = getattr(routers[0].module, "tp_group", None)
@@ -73,7 +73,7 @@ class _ModelState:
             and bool(getattr(lm, "pre_process", False))
             and any(c.__name__ == "GPTModel" for c in type(lm).__mro__)
         )
-        self.pending: Optional[MicrobatchReplay] = None
+        self.pending: MicrobatchReplay | None = None
         self.hook = None
 
 
@@ -131,7 +131,8 @@ def _check_router(module: Any, name: str) -> None:
     if getattr(config, "moe_router_fusion", False):
         raise ReplayConfigError(
             "moe_router_fusion",
-            f"True on router {name}: the fused top-k (Transformer Engine) returns before RouterReplay is consulted, so replay would do nothing",
+            f"True on router {name}: the fused top-k (Transformer Engine) returns before RouterReplay is consulted, "
+            "so replay would do nothing",
             expected="moe_router_fusion=False",
         )
     routing_type = getattr(module, "routing_type", None)
@@ -149,12 +150,16 @@ def _check_router(module: Any, name: str) -> None:
         )
 
 
-_states: "weakref.WeakKeyDictionary[Any, _ModelState]" = weakref.WeakKeyDictionary()
+_states: weakref.WeakKeyDictionary[Any, _ModelState] = weakref.WeakKeyDictionary()
 
 
 def _state_of(model: Any) -> _ModelState:
     if isinstance(model, (list, tuple)):
-        raise ReplayTypeError("model", f"got a {type(model).__name__} of model chunks", expected="the one model chunk forward_step was given")
+        raise ReplayTypeError(
+            "model",
+            f"got a {type(model).__name__} of model chunks",
+            expected="the one model chunk forward_step was given",
+        )
     if not hasattr(model, "named_modules"):
         raise ReplayTypeError("model", f"got {type(model).__name__}", expected="a torch.nn.Module (the model chunk)")
     state = _states.get(model)
@@ -194,12 +199,12 @@ class MicrobatchReplay:
         own_rows: ``[N]`` bool, rows the trainer's own router routes (router padding mask).
     """
 
-    padding_mask: "torch.Tensor"
+    padding_mask: torch.Tensor
     layer_numbers: tuple[int, ...]
-    replay_data: tuple["torch.Tensor", ...]
-    own_rows: "torch.Tensor"
+    replay_data: tuple[torch.Tensor, ...]
+    own_rows: torch.Tensor
     _routers: tuple[_Router, ...] = dataclasses.field(repr=False)
-    _state: Optional[_ModelState] = dataclasses.field(repr=False, default=None)
+    _state: _ModelState | None = dataclasses.field(repr=False, default=None)
     _switched: bool = dataclasses.field(repr=False, default=False)
 
     @property
@@ -227,7 +232,7 @@ class MicrobatchReplay:
 # input validation
 
 
-def _as_tensor(x: Any, field: str) -> "torch.Tensor":
+def _as_tensor(x: Any, field: str) -> torch.Tensor:
     import torch
 
     if isinstance(x, torch.Tensor):
@@ -242,7 +247,7 @@ def _as_tensor(x: Any, field: str) -> "torch.Tensor":
     raise ReplayTypeError(field, f"got {type(x).__name__}", expected="a torch tensor or numpy array")
 
 
-def _check_routes(routes: Any, batch_shape: tuple[int, int], state: _ModelState) -> "torch.Tensor":
+def _check_routes(routes: Any, batch_shape: tuple[int, int], state: _ModelState) -> torch.Tensor:
     import torch
 
     t = _as_tensor(routes, "routes")
@@ -251,19 +256,26 @@ def _check_routes(routes: Any, batch_shape: tuple[int, int], state: _ModelState)
     if t.dim() != 4:
         raise ReplayDataError("routes", f"shape {tuple(t.shape)}", expected="[batch, seq, layers, topk]")
     if tuple(t.shape[:2]) != batch_shape:
-        raise ReplayDataError("routes", f"shape {tuple(t.shape)}", expected=f"[{batch_shape[0]}, {batch_shape[1]}, L, K] like the layout's attention_mask")
+        raise ReplayDataError(
+            "routes",
+            f"shape {tuple(t.shape)}",
+            expected=f"[{batch_shape[0]}, {batch_shape[1]}, L, K] like the layout's attention_mask",
+        )
     if state.num_layers is not None and t.shape[2] != state.num_layers:
         raise ReplayDataError(
             "routes",
             f"{t.shape[2]} layers",
-            expected=f"{state.num_layers}: one entry per decoder layer of the model (dense layers included, as vLLM records them), indexed by layer_number - 1",
+            expected=(
+                f"{state.num_layers}: one entry per decoder layer of the model (dense layers included, as vLLM "
+                "records them), indexed by layer_number - 1"
+            ),
         )
     if state.topk is not None and t.shape[3] != state.topk:
         raise ReplayDataError("routes", f"top-k {t.shape[3]}", expected=f"moe_router_topk = {state.topk}")
     return t
 
 
-def _check_mask(mask: Any, batch_shape: tuple[int, int]) -> "torch.Tensor":
+def _check_mask(mask: Any, batch_shape: tuple[int, int]) -> torch.Tensor:
     import torch
 
     m = _as_tensor(mask, "router_padding_mask")
@@ -271,11 +283,15 @@ def _check_mask(mask: Any, batch_shape: tuple[int, int]) -> "torch.Tensor":
         # 0/1 attention masks mean the opposite (1 = valid); refuse rather than guess.
         raise ReplayTypeError("router_padding_mask", f"dtype {m.dtype}", expected="bool, True = no recorded route")
     if tuple(m.shape) != batch_shape:
-        raise ReplayDataError("router_padding_mask", f"shape {tuple(m.shape)}", expected=f"[{batch_shape[0]}, {batch_shape[1]}] like the layout's attention_mask")
+        raise ReplayDataError(
+            "router_padding_mask",
+            f"shape {tuple(m.shape)}",
+            expected=f"[{batch_shape[0]}, {batch_shape[1]}] like the layout's attention_mask",
+        )
     return m
 
 
-def _check_expert_ids(sel: "torch.Tensor", rows: "torch.Tensor", state: _ModelState) -> None:
+def _check_expert_ids(sel: torch.Tensor, rows: torch.Tensor, state: _ModelState) -> None:
     """Every id of the rows that carry a route (``rows`` ``[B, S]`` True) in ``[0, num_experts)``
     (one reduction, so one host sync; located only on failure). Other rows are replaced by the
     dummy route before installation, whatever they hold."""
@@ -299,7 +315,9 @@ def _check_expert_ids(sel: "torch.Tensor", rows: "torch.Tensor", state: _ModelSt
         raise ReplayDataError(
             "routes",
             f"expert id {int(sel[b, s, layer, k])} in layer {state.layer_numbers[layer]}",
-            trajectory=b, token=s, expected=f"ids in [0, {num_experts})",
+            trajectory=b,
+            token=s,
+            expected=f"ids in [0, {num_experts})",
         )
 
 
@@ -328,9 +346,9 @@ def _fallback_active() -> bool:
 
 def replay_routes(
     model: Any,
-    routes: Union[np.ndarray, "torch.Tensor"],
-    router_padding_mask: Union[np.ndarray, "torch.Tensor"],
-    layout: "TokenMetadataLayout",
+    routes: np.ndarray | torch.Tensor,
+    router_padding_mask: np.ndarray | torch.Tensor,
+    layout: TokenMetadataLayout,
 ) -> MicrobatchReplay:
     """Install one microbatch's recorded routes on the routers of ``model``.
 
@@ -358,11 +376,13 @@ def replay_routes(
     from replay_plugin.core.layout import TokenMetadataLayout
 
     if not isinstance(layout, TokenMetadataLayout):
-        raise ReplayTypeError("layout", f"got {type(layout).__name__}", expected="a replay_plugin.core.layout.TokenMetadataLayout")
+        raise ReplayTypeError(
+            "layout", f"got {type(layout).__name__}", expected="a replay_plugin.core.layout.TokenMetadataLayout"
+        )
     state = _state_of(model)
     batch_shape = tuple(layout.attention_mask.shape)
-    routes_t = _check_routes(routes, batch_shape, state)  # type: ignore[arg-type]
-    mask = _check_mask(router_padding_mask, batch_shape)  # type: ignore[arg-type]
+    routes_t = _check_routes(routes, batch_shape, state)
+    mask = _check_mask(router_padding_mask, batch_shape)
     _retire_pending(state)
     shard = _sequence_shard(state, layout)
     mask = mask.to(layout.attention_mask.device)
@@ -389,8 +409,12 @@ def _retire_pending(state: _ModelState) -> None:
     if any(r.replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD for r in pending._routers):
         raise ReplayDataError(
             "model",
-            "the previous microbatch's forward never returned through the model chunk passed to replay_routes, so its routers were not switched to REPLAY_BACKWARD",
-            expected="model(...) called on that chunk after each replay_routes(); else call MicrobatchReplay.switch_to_backward() or clear_routes(model)",
+            "the previous microbatch's forward never returned through the model chunk passed to replay_routes, so "
+            "its routers were not switched to REPLAY_BACKWARD",
+            expected=(
+                "model(...) called on that chunk after each replay_routes(); else call "
+                "MicrobatchReplay.switch_to_backward() or clear_routes(model)"
+            ),
         )
     state.pending = None
 
@@ -405,7 +429,7 @@ class _SequenceShard:
     tp_rank: int
     length: int
 
-    def local(self, x: "torch.Tensor") -> "torch.Tensor":
+    def local(self, x: torch.Tensor) -> torch.Tensor:
         """``[rows, length, ...]`` -> ``[rows, length / tp, ...]`` (a view; unchanged when inactive)."""
         if not self.active:
             return x
@@ -413,7 +437,7 @@ class _SequenceShard:
         return x[:, self.tp_rank * chunk : (self.tp_rank + 1) * chunk]
 
 
-def _sequence_shard(state: _ModelState, layout: "TokenMetadataLayout") -> _SequenceShard:
+def _sequence_shard(state: _ModelState, layout: TokenMetadataLayout) -> _SequenceShard:
     """Check that ``layout`` was built for this rank's context-parallel group and fits sequence
     parallelism; return this rank's sequence shard."""
     cp_size, cp_rank = _group_size_rank(state.cp_group)
@@ -430,14 +454,17 @@ def _sequence_shard(state: _ModelState, layout: "TokenMetadataLayout") -> _Seque
         raise ReplayDataError(
             "layout",
             f"{length} tokens per row with alignment {layout.alignment}",
-            expected=f"a multiple of tensor_model_parallel_size {tp_size} under sequence parallelism (build the layout with align = tp [* 2 * cp when packed])",
+            expected=(
+                f"a multiple of tensor_model_parallel_size {tp_size} under sequence parallelism (build the "
+                "layout with align = tp [* 2 * cp when packed])"
+            ),
         )
     return _SequenceShard(active, tp_size, tp_rank, length)
 
 
 def _padding_masks(
-    mask: "torch.Tensor", layout: "TokenMetadataLayout", state: _ModelState, shard: _SequenceShard
-) -> tuple["torch.Tensor", "torch.Tensor"]:
+    mask: torch.Tensor, layout: TokenMetadataLayout, state: _ModelState, shard: _SequenceShard
+) -> tuple[torch.Tensor, torch.Tensor]:
     """From the router padding mask ``[B, S]`` (True = no route): the mask to hand the model
     (aligned ``[rows, length]``, or this rank's shard ``[rows, length / tp]`` where the model
     does not scatter it itself) and this rank's shard of the aligned mask."""
@@ -448,13 +475,13 @@ def _padding_masks(
 
 
 def _local_replay_data(
-    routes: "torch.Tensor",
-    mask: "torch.Tensor",
-    mask_local: "torch.Tensor",
-    layout: "TokenMetadataLayout",
+    routes: torch.Tensor,
+    mask: torch.Tensor,
+    mask_local: torch.Tensor,
+    layout: TokenMetadataLayout,
     state: _ModelState,
     shard: _SequenceShard,
-) -> list["torch.Tensor"]:
+) -> list[torch.Tensor]:
     """Per router of this stage, its int32 ``[N, K]`` replay data in the routers' token order
     (sequence-major, ``N = length_local * rows``), from the compact routes ``[B, S, L, K]``."""
     import torch
@@ -462,8 +489,11 @@ def _local_replay_data(
     device = layout.attention_mask.device
     local = [r.layer for r in state.routers]
     if max(local) >= routes.shape[2]:
-        raise ReplayDataError("routes", f"{routes.shape[2]} layers", expected=f"more than {max(local)} (router layer {max(local) + 1})")
-    selected = select_layers(routes, local).to(device, non_blocking=True)  # compact [B, S, L_local, K]
+        raise ReplayDataError(
+            "routes", f"{routes.shape[2]} layers", expected=f"more than {max(local)} (router layer {max(local) + 1})"
+        )
+    selected: torch.Tensor = select_layers(routes, local)  # compact [B, S, L_local, K]
+    selected = selected.to(device, non_blocking=True)
     _check_expert_ids(selected, layout.attention_mask & ~mask, state)
     topk = selected.shape[-1]
     dummy = torch.arange(topk, dtype=selected.dtype, device=device)
@@ -475,7 +505,7 @@ def _local_replay_data(
     return split_for_replay(seq_major)  # L_local x [N, K] int32, the only int32 copy
 
 
-def _install(routers: tuple[_Router, ...], data: list["torch.Tensor"], own_rows: "torch.Tensor") -> None:
+def _install(routers: tuple[_Router, ...], data: list[torch.Tensor], own_rows: torch.Tensor) -> None:
     """Give each router its ``[N, K]`` data (forward target and backward FIFO entry) and the
     ``REPLAY_FORWARD`` action; mark ``own_rows`` ``[N]`` for the trainer's own routing when the
     ``megatron.replay_padding_fallback`` patch is applied (warn once when it is not)."""

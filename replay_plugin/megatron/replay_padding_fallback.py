@@ -12,7 +12,7 @@ with one ``torch.where`` and no host sync. No probe: no release has per-row repl
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..patcher import Patcher
 
@@ -25,7 +25,7 @@ def mark_own_rows(indices: Any, own_rows: Any) -> None:
     setattr(indices, OWN_ROWS_ATTR, own_rows)
 
 
-def own_rows_of(indices: Any) -> Optional[Any]:
+def own_rows_of(indices: Any) -> Any | None:
     return getattr(indices, OWN_ROWS_ATTR, None) if indices is not None else None
 
 

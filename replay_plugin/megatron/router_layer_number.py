@@ -12,11 +12,11 @@ PR #5220); remove when that is the oldest supported megatron-core.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..patcher import Patcher
 from ..spec import PatchSpec, ProbeResult
-
 
 
 class _ProbeReplay:
@@ -35,7 +35,10 @@ def probe_function(set_layer_number: Callable[..., Any]) -> ProbeResult:
     try:
         set_layer_number(router, 7)
     except Exception as exc:  # noqa: BLE001 - an upstream that needs more than the stand-in has
-        return ProbeResult(True, f"probe could not run set_layer_number on a stand-in router ({exc!r}); patching (harmless when not needed)")
+        return ProbeResult(
+            True,
+            f"probe could not run set_layer_number on a stand-in router ({exc!r}); patching (harmless when not needed)",
+        )
     if router.router_replay.layer_number == 7:
         return ProbeResult(False, "Router.set_layer_number records the layer number on RouterReplay (PR #5220, 0.19+)")
     return ProbeResult(True, "Router.set_layer_number leaves RouterReplay without a layer number")

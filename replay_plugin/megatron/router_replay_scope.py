@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ..patcher import Patcher
 
@@ -36,7 +37,7 @@ class _State(threading.local):
 
 _state = _State()
 # RouterReplay instance -> FIFO entries appended since the previous schedule ended.
-_appended: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_appended: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def _observe_set_target(wrapped, instance, args, kwargs):
@@ -123,22 +124,21 @@ class _CountPlan:
                     self.holders.append(buffers if buffers.get(name) is t else module.__dict__)
                     self.names.append(name)
                     self.tensors.append(t)
-        first = self.tensors[0] if self.tensors else None
-        self.flat = [i for i, t in enumerate(self.tensors)
-                     if t.dim() == 1 and t.dtype == first.dtype and t.device == first.device]
+        dtype, device = (self.tensors[0].dtype, self.tensors[0].device) if self.tensors else (None, None)
+        self.flat = [i for i, t in enumerate(self.tensors) if t.dim() == 1 and t.dtype == dtype and t.device == device]
         self.flat_tensors = [self.tensors[i] for i in self.flat]
         self.other = [i for i in range(len(self.tensors)) if i not in set(self.flat)]
-        self.staging = self.views = None
+        self.staging: Any = None
+        self.views: Any = None
         if self.flat:
-            self.staging = torch.empty(sum(self.tensors[i].numel() for i in self.flat), dtype=first.dtype,
-                                       device=first.device)
+            self.staging = torch.empty(sum(self.tensors[i].numel() for i in self.flat), dtype=dtype, device=device)
             self.views = list(self.staging.split([self.tensors[i].numel() for i in self.flat]))
 
     def current(self) -> bool:
         return all(h.get(n) is t for h, n, t in zip(self.holders, self.names, self.tensors))
 
 
-_plans: "weakref.WeakKeyDictionary[Any, _CountPlan]" = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[Any, _CountPlan] = weakref.WeakKeyDictionary()
 
 
 def _model_chunks(model: Any) -> Iterable[Any]:
@@ -147,7 +147,7 @@ def _model_chunks(model: Any) -> Iterable[Any]:
     return [model] if model is not None else []
 
 
-def _plan_of(chunk: Any) -> "_CountPlan | None":
+def _plan_of(chunk: Any) -> _CountPlan:
     try:
         plan = _plans.get(chunk)
     except TypeError:  # not weak-referenceable: no caching

@@ -12,26 +12,27 @@ vocab-parallel logits.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from replay_plugin.core import logprobs as core
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 from replay_plugin.core.layout import TokenMetadataLayout
-from replay_plugin.core import logprobs as core
 
 __all__ = ["replay_response_logprobs", "support_logprobs"]
 
-TensorLike = Union[torch.Tensor, np.ndarray]
+TensorLike: TypeAlias = "torch.Tensor | np.ndarray"
 
 
 # ---------------------------------------------------------------------------------------
 # Megatron's process groups
 
 
-def _groups(kind: str) -> tuple[Optional[Any], int, int]:
+def _groups(kind: str) -> tuple[Any | None, int, int]:
     """``(group or None, size, rank)`` of Megatron's tensor- or context-parallel group; a
     single-process model (parallel state not initialised) is ``(None, 1, 0)``."""
     from megatron.core import parallel_state as ps
@@ -39,11 +40,17 @@ def _groups(kind: str) -> tuple[Optional[Any], int, int]:
     if not ps.model_parallel_is_initialized():
         return None, 1, 0
     if kind == "tp":
-        group, size, rank = (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
-                             ps.get_tensor_model_parallel_rank())
+        group, size, rank = (
+            ps.get_tensor_model_parallel_group(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(),
+        )
     else:
-        group, size, rank = (ps.get_context_parallel_group(), ps.get_context_parallel_world_size(),
-                             ps.get_context_parallel_rank())
+        group, size, rank = (
+            ps.get_context_parallel_group(),
+            ps.get_context_parallel_world_size(),
+            ps.get_context_parallel_rank(),
+        )
     return (group if size > 1 else None), size, rank
 
 
@@ -84,8 +91,12 @@ def support_logprobs(
     """
     group, size, rank = _groups("tp")
     return core.support_logprobs(
-        logits, sampled_ids, support_ids, temperature=temperature,
-        vocab_start=_vocab_start(logits.shape[-1], rank, size), tp_group=group,
+        logits,
+        sampled_ids,
+        support_ids,
+        temperature=temperature,
+        vocab_start=_vocab_start(logits.shape[-1], rank, size),
+        tp_group=group,
     )
 
 
@@ -98,13 +109,13 @@ def replay_response_logprobs(
     input_ids: TensorLike,
     layout: TokenMetadataLayout,
     *,
-    support_ids: Optional[TensorLike] = None,
-    loss_mask: Optional[TensorLike] = None,
-    output_weight: Optional[torch.Tensor] = None,
+    support_ids: TensorLike | None = None,
+    loss_mask: TensorLike | None = None,
+    output_weight: torch.Tensor | None = None,
     temperature: float = 1.0,
-    num_actions: Optional[int] = None,
-    width: Optional[int] = None,
-    sub_sequence_lengths: Optional[Sequence[Sequence[int]]] = None,
+    num_actions: int | None = None,
+    width: int | None = None,
+    sub_sequence_lengths: Sequence[Sequence[int]] | None = None,
     chunk_size: int = core.DEFAULT_CHUNK_SIZE,
 ) -> torch.Tensor:
     """Per-token logprobs of one microbatch, support-renormalised where support was recorded.
@@ -170,8 +181,9 @@ def replay_response_logprobs(
         support rows whose logprob is not finite.
     """
     if not isinstance(layout, TokenMetadataLayout):
-        raise ReplayTypeError("layout", f"got {type(layout).__name__}",
-                              expected="a replay_plugin.core.layout.TokenMetadataLayout")
+        raise ReplayTypeError(
+            "layout", f"got {type(layout).__name__}", expected="a replay_plugin.core.layout.TokenMetadataLayout"
+        )
     _check_temperature(temperature)
     attention = layout.attention_mask
     device = attention.device
@@ -183,9 +195,10 @@ def replay_response_logprobs(
     cp_group, cp_size, cp_rank = _groups("cp")
     if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
         raise ReplayDataError(
-            "layout", f"built for context-parallel rank {layout.cp_rank} of {layout.cp_size}",
+            "layout",
+            f"built for context-parallel rank {layout.cp_rank} of {layout.cp_size}",
             expected=f"rank {cp_rank} of {cp_size}, this process's: "
-                     f"TokenMetadataLayout.build(..., cp_size={cp_size}, cp_rank={cp_rank})",
+            f"TokenMetadataLayout.build(..., cp_size={cp_size}, cp_rank={cp_rank})",
         )
     rows, length = layout.output_shape
     source = _source(output, output_weight, rows, length, tp_size)
@@ -195,7 +208,15 @@ def replay_response_logprobs(
         values = _megatron_logprobs(source, sampled, output_weight, temperature)
     else:
         values = _support_logprobs_of_slots(
-            source, sampled, layout, support_ids, loss_mask, output_weight, temperature, width, chunk_size,
+            source,
+            sampled,
+            layout,
+            support_ids,
+            loss_mask,
+            output_weight,
+            temperature,
+            width,
+            chunk_size,
             (tp_group, tp_size, tp_rank),
         )
     if cp_size > 1:
@@ -205,7 +226,7 @@ def replay_response_logprobs(
         return out
     if isinstance(num_actions, bool) or not isinstance(num_actions, int) or not 0 < num_actions <= seq - 1:
         raise ReplayDataError("num_actions", f"got {num_actions!r}", expected=f"an int in [1, {seq - 1}]")
-    return out[:, seq - 1 - num_actions:]
+    return out[:, seq - 1 - num_actions :]
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,10 +238,10 @@ def _support_logprobs_of_slots(
     sampled: torch.Tensor,
     layout: TokenMetadataLayout,
     support_ids: TensorLike,
-    loss_mask: Optional[TensorLike],
-    output_weight: Optional[torch.Tensor],
+    loss_mask: TensorLike | None,
+    output_weight: torch.Tensor | None,
     temperature: float,
-    width: Optional[int],
+    width: int | None,
     chunk_size: int,
     tp: tuple[Any, int, int],
 ) -> torch.Tensor:
@@ -235,7 +256,8 @@ def _support_logprobs_of_slots(
     support = _grid(support_ids, "support_ids", (batch, seq), device, integer=True, trailing=1)
     if support.shape[2] < 1 or (width is not None and support.shape[2] != width):
         raise ReplayDataError(
-            "support_ids", f"width {support.shape[2]}",
+            "support_ids",
+            f"width {support.shape[2]}",
             expected=f"width {width} (the configured support width)" if width is not None else "width >= 1",
         )
     mask = _loss_grid(loss_mask, (batch, seq), device)
@@ -243,18 +265,23 @@ def _support_logprobs_of_slots(
     trajectory = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
     v_local = source.shape[-1] if output_weight is None else output_weight.shape[0]
     return core.replay_logprobs(
-        source, sampled,
+        source,
+        sampled,
         layout.align(support, -1, next_token=True),
         layout.align(mask, False, next_token=True),
         layout.align(trajectory, -1, next_token=True),
         batch,
-        lm_head_weight=output_weight, temperature=temperature,
-        vocab_start=_vocab_start(v_local, tp_rank, tp_size), tp_group=tp_group, chunk_size=chunk_size,
+        lm_head_weight=output_weight,
+        temperature=temperature,
+        vocab_start=_vocab_start(v_local, tp_rank, tp_size),
+        tp_group=tp_group,
+        chunk_size=chunk_size,
     ).logprobs
 
 
-def _megatron_logprobs(source: torch.Tensor, sampled: torch.Tensor, weight: Optional[torch.Tensor],
-                       temperature: float) -> torch.Tensor:
+def _megatron_logprobs(
+    source: torch.Tensor, sampled: torch.Tensor, weight: torch.Tensor | None, temperature: float
+) -> torch.Tensor:
     """Megatron's own full-vocabulary logprob (replay off): ``[rows, length]`` float32."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -267,7 +294,7 @@ def _megatron_logprobs(source: torch.Tensor, sampled: torch.Tensor, weight: Opti
     return -vocab_parallel_cross_entropy(scaled, sampled.long()).float()
 
 
-def _source(output: Any, weight: Optional[torch.Tensor], rows: int, length: int, tp_size: int) -> torch.Tensor:
+def _source(output: Any, weight: torch.Tensor | None, rows: int, length: int, tp_size: int) -> torch.Tensor:
     """The model output as ``[rows, length, V/tp]`` logits or ``[rows, length, H]`` hidden states
     ready for the fused projection (gathered / copied into the tensor-parallel region)."""
     if not isinstance(output, torch.Tensor) or not output.is_floating_point():
@@ -277,25 +304,36 @@ def _source(output: Any, weight: Optional[torch.Tensor], rows: int, length: int,
         if output.dim() != 3 or tuple(output.shape[:2]) != (rows, length):
             hint = ""
             if output.dim() == 3 and tuple(output.shape[:2]) == (length, rows):
-                hint = "; these look sequence-first [s, b, V/tp]: pass GPTModel's output (labels=None), which is batch-first"
+                hint = (
+                    "; these look sequence-first [s, b, V/tp]: pass GPTModel's output (labels=None), "
+                    "which is batch-first"
+                )
             raise ReplayDataError(
-                "logits", f"shape {tuple(output.shape)}{hint}",
+                "logits",
+                f"shape {tuple(output.shape)}{hint}",
                 expected=f"[{rows}, {length}, V/tp]: the layout's output shape ([B, A] unpacked, [1, T / cp] packed)",
             )
         return output
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or output.dim() != 3 or weight.shape[1] != output.shape[2]:
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 2
+        or output.dim() != 3
+        or weight.shape[1] != output.shape[2]
+    ):
         raise ReplayDataError(
-            "output_weight", f"shape {tuple(getattr(weight, 'shape', ()))} for hidden states {tuple(output.shape)}",
+            "output_weight",
+            f"shape {tuple(getattr(weight, 'shape', ()))} for hidden states {tuple(output.shape)}",
             expected="[V/tp, H] with hidden states [s, b, H]",
         )
     sharded = tp_size > 1 and length % tp_size == 0 and output.shape[0] == length // tp_size
     if output.shape[1] != rows or not (output.shape[0] == length or sharded):
         raise ReplayDataError(
-            "output", f"hidden states of shape {tuple(output.shape)}",
+            "output",
+            f"hidden states of shape {tuple(output.shape)}",
             expected=f"[{length}, {rows}, H] (sequence-first, the output layer's input) or its sequence-parallel "
-                     f"shard [{length} / tp, {rows}, H]",
+            f"shard [{length} / tp, {rows}, H]",
         )
     if sharded:
         # Sequence parallelism: gather the sequence; backward reduce-scatters the partial sums.
@@ -354,8 +392,9 @@ def _as_tensor(x: Any, field: str, device: torch.device) -> torch.Tensor:
     return x.to(device)
 
 
-def _grid(x: Any, field: str, shape: tuple[int, int], device: torch.device, *, integer: bool,
-          trailing: int = 0) -> torch.Tensor:
+def _grid(
+    x: Any, field: str, shape: tuple[int, int], device: torch.device, *, integer: bool, trailing: int = 0
+) -> torch.Tensor:
     t = _as_tensor(x, field, device)
     if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise ReplayTypeError(field, f"dtype {t.dtype}", expected="an integer tensor")
@@ -369,7 +408,8 @@ def _loss_grid(loss_mask: Any, shape: tuple[int, int], device: torch.device) -> 
     """The loss mask as bool ``[B, S]`` in the grid (a ``[B, n]`` mask fills the last n columns)."""
     if loss_mask is None:
         raise ReplayDataError(
-            "loss_mask", "support_ids were given without a loss mask: synthetic EOS rows (loss-bearing, no support) "
+            "loss_mask",
+            "support_ids were given without a loss mask: synthetic EOS rows (loss-bearing, no support) "
             "cannot be told from prompt and padding rows",
             expected="the response loss mask, [B, S] (DenseSupport.loss_mask) or [B, num_actions]",
         )
@@ -378,8 +418,9 @@ def _loss_grid(loss_mask: Any, shape: tuple[int, int], device: torch.device) -> 
         raise ReplayTypeError("loss_mask", f"dtype {m.dtype}", expected="bool or 0/1 integers")
     batch, seq = shape
     if m.dim() != 2 or m.shape[0] != batch or not 0 < m.shape[1] <= seq:
-        raise ReplayDataError("loss_mask", f"shape {tuple(m.shape)}",
-                              expected=f"[{batch}, {seq}] or [{batch}, num_actions <= {seq}]")
+        raise ReplayDataError(
+            "loss_mask", f"shape {tuple(m.shape)}", expected=f"[{batch}, {seq}] or [{batch}, num_actions <= {seq}]"
+        )
     if m.dtype != torch.bool:
         bad = (m != 0) & (m != 1)
         if bool(bad.any()):
@@ -389,7 +430,7 @@ def _loss_grid(loss_mask: Any, shape: tuple[int, int], device: torch.device) -> 
     if m.shape[1] == seq:
         return m
     full = torch.zeros(shape, dtype=torch.bool, device=device)
-    full[:, seq - m.shape[1]:] = m
+    full[:, seq - m.shape[1] :] = m
     return full
 
 
@@ -404,40 +445,61 @@ def _check_targets(attention: torch.Tensor, mask: torch.Tensor, support: torch.T
         return
     if bool(orphan.any()):
         b, s = (int(v) for v in orphan.nonzero()[0])
-        where = "a padding position" if not bool(attention[b, s]) else "the first token of its row (nothing predicts it)"
-        raise ReplayDataError("loss_mask", f"loss-bearing token at {where}", trajectory=b, token=s,
-                              expected="loss only on tokens after the first valid token of the row")
+        where = (
+            "a padding position" if not bool(attention[b, s]) else "the first token of its row (nothing predicts it)"
+        )
+        raise ReplayDataError(
+            "loss_mask",
+            f"loss-bearing token at {where}",
+            trajectory=b,
+            token=s,
+            expected="loss only on tokens after the first valid token of the row",
+        )
     b, s = (int(v) for v in extra.nonzero()[0])
     first = int(unsupported[b].nonzero()[0])
     raise ReplayDataError(
-        "support_ids", f"second loss-bearing token without support (the first is at position {first})",
-        trajectory=b, token=s, expected="support for every loss-bearing token but one synthetic EOS per trajectory",
+        "support_ids",
+        f"second loss-bearing token without support (the first is at position {first})",
+        trajectory=b,
+        token=s,
+        expected="support for every loss-bearing token but one synthetic EOS per trajectory",
     )
 
 
-def _check_sub_sequences(lengths: Optional[Sequence[Sequence[int]]], layout: TokenMetadataLayout) -> None:
+def _check_sub_sequences(lengths: Any, layout: TokenMetadataLayout) -> None:
     if lengths is None:
         return
     batch = layout.attention_mask.shape[0]
     if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__") or len(lengths) != batch:
         size = len(lengths) if hasattr(lengths, "__len__") else "?"
-        raise ReplayDataError("sub_sequence_lengths", f"got {type(lengths).__name__} of length {size}",
-                              expected=f"one entry per batch row ({batch})")
-    for b, row in enumerate(lengths):
-        row = list(row) if hasattr(row, "__len__") else [row]
+        raise ReplayDataError(
+            "sub_sequence_lengths",
+            f"got {type(lengths).__name__} of length {size}",
+            expected=f"one entry per batch row ({batch})",
+        )
+    for b, entry in enumerate(lengths):
+        row = list(entry) if hasattr(entry, "__len__") else [entry]
         if len(row) > 1:
             raise ReplayDataError(
-                "sub_sequence_lengths", f"row holds {len(row)} controller-packed sub-sequences {row}", trajectory=b,
+                "sub_sequence_lengths",
+                f"row holds {len(row)} controller-packed sub-sequences {row}",
+                trajectory=b,
                 expected="one trajectory per row: next-token targets, support rows and the synthetic-EOS fallback are "
-                         "per trajectory; unpack the rows (or let Megatron pack with packed=True layouts)",
+                "per trajectory; unpack the rows (or let Megatron pack with packed=True layouts)",
             )
         if row and int(row[0]) != layout.sequence_lengths[b]:
-            raise ReplayDataError("sub_sequence_lengths", f"length {int(row[0])}", trajectory=b,
-                                  expected=f"{layout.sequence_lengths[b]}, the row's valid tokens in attention_mask")
+            raise ReplayDataError(
+                "sub_sequence_lengths",
+                f"length {int(row[0])}",
+                trajectory=b,
+                expected=f"{layout.sequence_lengths[b]}, the row's valid tokens in attention_mask",
+            )
 
 
 def _check_temperature(temperature: Any) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-        math.isfinite(temperature) and temperature > 0
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
     ):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")

@@ -19,7 +19,7 @@ Served (``POST /v1/completions`` or ``/v1/chat/completions`` with
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,7 +33,7 @@ SUPPORT_FIELD = "sample_support"
 ROUTES_FIELD = "routed_experts"
 
 
-def support_of(output: Any) -> Optional[SupportRows]:
+def support_of(output: Any) -> SupportRows | None:
     """The support rows on a vLLM ``CompletionOutput`` (None when the request did not opt in)."""
     rows = getattr(output, "__dict__", {}).get(SUPPORT_FIELD)
     return rows if isinstance(rows, SupportRows) else None
@@ -42,8 +42,8 @@ def support_of(output: Any) -> Optional[SupportRows]:
 class ChoiceReplay(NamedTuple):
     """Replay data of one served choice; a field is None when the response does not carry it."""
 
-    support: Optional[SupportRows]
-    routed_experts: Optional[np.ndarray]
+    support: SupportRows | None
+    routed_experts: np.ndarray | None
 
 
 def decode_support(doc: Mapping[str, Any]) -> SupportRows:
@@ -52,8 +52,9 @@ def decode_support(doc: Mapping[str, Any]) -> SupportRows:
         raise ReplayTypeError(SUPPORT_FIELD, f"got {type(doc).__name__}", expected="an object of wire envelopes")
     missing = {"ids", "sampled", "sampled_logprob", "exact"} - set(doc)
     if missing:
-        raise ReplayDataError(SUPPORT_FIELD, f"lacks {sorted(missing)}",
-                              expected="keys ids, sampled, sampled_logprob, exact")
+        raise ReplayDataError(
+            SUPPORT_FIELD, f"lacks {sorted(missing)}", expected="keys ids, sampled, sampled_logprob, exact"
+        )
     return SupportRows(
         ids=decode_array(doc["ids"], dtypes=("int32",), ndim=2),
         sampled=decode_array(doc["sampled"], dtypes=("int32",), ndim=1),
@@ -66,7 +67,8 @@ def decode_routes(doc: Mapping[str, Any]) -> np.ndarray:
     """A served ``routed_experts`` wire document -> ``[tokens, layers, topk]`` compact array."""
     if isinstance(doc, str):
         raise ReplayTypeError(
-            ROUTES_FIELD, "is vLLM's base64 .npy string: the request did not opt in (send "
+            ROUTES_FIELD,
+            "is vLLM's base64 .npy string: the request did not opt in (send "
             "vllm_xargs replay_routed_experts) or the plugin's vllm.openai_fields patch is off",
             expected="a wire envelope",
         )

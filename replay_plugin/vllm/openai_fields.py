@@ -13,7 +13,7 @@ array format.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from ..core.routes import compact
 from ..core.wire import encode_array
@@ -68,7 +68,9 @@ def _replay_model(cls: Any, **overrides: Any) -> Any:
         import pydantic
 
         sub = pydantic.create_model(
-            f"Replay{cls.__name__}", __base__=cls, __module__=__name__,
+            f"Replay{cls.__name__}",
+            __base__=cls,
+            __module__=__name__,
             **{name: (tp, None) for name, tp in overrides.items()},
         )
         _subclasses[key] = sub
@@ -80,7 +82,7 @@ def _rebuild(model: Any, cls: Any, replace: dict) -> Any:
     return cls.model_construct(_fields_set=set(model.model_fields_set) | set(replace), **data)
 
 
-def decorate(response: Any, outputs: list[Optional[Any]], routes_wanted: bool) -> Any:
+def decorate(response: Any, outputs: list[Any | None], routes_wanted: bool) -> Any:
     """Return ``response`` with replay fields on the choices whose output (same position in
     ``outputs``; None for none) carries replay data; unchanged when there is none."""
     per_choice = [(_fields(o, routes_wanted) if o is not None else {}) for o in outputs]
@@ -89,8 +91,8 @@ def decorate(response: Any, outputs: list[Optional[Any]], routes_wanted: bool) -
     choices = list(response.choices)
     choice_cls = _replay_model(type(choices[0]), routed_experts=Any)
     new_choices = [_rebuild(c, choice_cls, f) for c, f in zip(choices, per_choice)]
-    new_choices += [_rebuild(c, choice_cls, {}) for c in choices[len(per_choice):]]
-    response_cls = _replay_model(type(response), choices=list[choice_cls])
+    new_choices += [_rebuild(c, choice_cls, {}) for c in choices[len(per_choice) :]]
+    response_cls = _replay_model(type(response), choices=list[choice_cls])  # type: ignore[valid-type]
     return _rebuild(response, response_cls, {"choices": new_choices})
 
 
@@ -101,7 +103,7 @@ def _completion_response(wrapped, instance, args, kwargs):
         request = args[1] if len(args) > 1 else kwargs["request"]
         outputs = [o for res in batch for o in res.outputs]
         return decorate(response, outputs, _request_wants_routes(request))
-    except Exception:  # noqa: BLE001 - the stock response is better than none
+    except Exception:
         log.exception("replay_plugin: vllm.openai_fields: could not add replay fields to a completion response")
         return response
 
@@ -127,7 +129,7 @@ async def _chat_full(wrapped, instance, args, kwargs):
         by_index = {o.index: o for o in last[0].outputs}
         outputs = [by_index.get(getattr(c, "index", None)) for c in response.choices]
         return decorate(response, outputs, _request_wants_routes(request))
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("replay_plugin: vllm.openai_fields: could not add replay fields to a chat response")
         return response
 

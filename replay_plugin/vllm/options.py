@@ -65,23 +65,36 @@ DEFAULT_MAX_WIDTH = 128
 _MODES = ("", "opt-in", "all")
 
 SUPPORT_KNOBS = (
-    Knob(REQUESTS_ENV, "",
-         "`opt-in`: this job captures sampler support for requests with `extra_args`/`vllm_xargs` "
-         "`{\"replay_sample_support\": true}` and the plugin fits the engine (processed logprobs, "
-         "`max_logprobs`), logged; `all`: every request is captured (non-replayable ones are "
-         "refused); unset: the engine is left alone and opted-in requests are refused unless it "
-         "already fits"),
-    Knob(SLACK_ENV, str(DEFAULT_SLACK),
-         "extra logprob entries captured beyond `top_k`: row width `W = top_k + slack` (ties at the "
-         "k-th logit widen the support); per request `replay_sample_support_slack`"),
-    Knob(MAX_WIDTH_ENV, str(DEFAULT_MAX_WIDTH),
-         "the `max_logprobs` a fitted engine gets at least: the widest support row a request can ask for"),
+    Knob(
+        REQUESTS_ENV,
+        "",
+        "`opt-in`: this job captures sampler support for requests with `extra_args`/`vllm_xargs` "
+        '`{"replay_sample_support": true}` and the plugin fits the engine (processed logprobs, '
+        "`max_logprobs`), logged; `all`: every request is captured (non-replayable ones are "
+        "refused); unset: the engine is left alone and opted-in requests are refused unless it "
+        "already fits",
+    ),
+    Knob(
+        SLACK_ENV,
+        str(DEFAULT_SLACK),
+        "extra logprob entries captured beyond `top_k`: row width `W = top_k + slack` (ties at the "
+        "k-th logit widen the support); per request `replay_sample_support_slack`",
+    ),
+    Knob(
+        MAX_WIDTH_ENV,
+        str(DEFAULT_MAX_WIDTH),
+        "the `max_logprobs` a fitted engine gets at least: the widest support row a request can ask for",
+    ),
 )
 ROUTES_KNOBS = (
-    Knob(ROUTES_REQUESTS_ENV, "opt-in",
-         "`all`: every request's routed experts come back compact (served: as a wire document); "
-         "`opt-in`: only requests with `replay_routed_experts` or `replay_sample_support`"),
+    Knob(
+        ROUTES_REQUESTS_ENV,
+        "opt-in",
+        "`all`: every request's routed experts come back compact (served: as a wire document); "
+        "`opt-in`: only requests with `replay_routed_experts` or `replay_sample_support`",
+    ),
 )
+
 
 class OptionError(ValueError):
     """A replay key or knob holds a value the plugin cannot interpret (names the key)."""
@@ -102,7 +115,7 @@ def flag(value: Any, key: str) -> bool:
             return parse_bool(key, value)
         except SettingError:
             pass
-    raise OptionError(key, f"got {value!r}; expected true/false (1/0, \"true\"/\"false\")")
+    raise OptionError(key, f'got {value!r}; expected true/false (1/0, "true"/"false")')
 
 
 def non_negative_int(value: Any, key: str) -> int:

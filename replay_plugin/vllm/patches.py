@@ -1,5 +1,6 @@
 """Patch pack for vLLM (entry point ``replay_plugin.patches: vllm``): one row per patch;
-targets, versions and the rest are in compat_matrix.yaml.
+targets, versions and the rest are in compat_matrix.yaml. ``vllm.sample_support`` keeps its
+request admission and its capture in two helper modules.
 
 * ``vllm.sample_support`` arms on ``vllm.engine.arg_utils`` (imported before any engine
   configuration is created, also by ``vllm serve``);

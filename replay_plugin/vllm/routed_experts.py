@@ -59,8 +59,11 @@ def _keep_routes_on_merge(wrapped, instance, args, kwargs):
     previous = instance.output
     routes = {}
     if previous is not None and instance.aggregate and not isinstance(output, Exception):
-        routes = {c.index: c.routed_experts for c in getattr(output, "outputs", None) or ()
-                  if getattr(c, "routed_experts", None) is not None}
+        routes = {
+            c.index: c.routed_experts
+            for c in getattr(output, "outputs", None) or ()
+            if getattr(c, "routed_experts", None) is not None
+        }
     result = wrapped(*args, **kwargs)
     if routes and instance.output is previous:
         for completion in getattr(previous, "outputs", None) or ():

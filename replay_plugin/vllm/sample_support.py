@@ -32,6 +32,7 @@ from .sample_support_capture import (  # noqa: F401 - public names
     sample_support,
 )
 
+
 def install(patcher: Patcher) -> None:
     patcher.wrap("EngineArgs.create_engine_config", admission._fit_engine)
     patcher.wrap("InputProcessor.process_inputs", admission._admit)

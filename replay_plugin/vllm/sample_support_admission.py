@@ -8,7 +8,7 @@ none of that. Remove with the patch (see compat_matrix.yaml).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from .. import states
 from ..core.sampler import check_replayable
@@ -29,19 +29,19 @@ class SampleSupportRefused(ValueError):
     ``VLLMValidationError`` so that the OpenAI server answers HTTP 400.
     """
 
-    setting: Optional[str] = None
+    setting: str | None = None
 
 
-_refusal_class: Optional[type] = None
+_refusal_class: type | None = None
 
 
-def _refusal(message: str, setting: Optional[str], value: Any = None) -> SampleSupportRefused:
+def _refusal(message: str, setting: str | None, value: Any = None) -> SampleSupportRefused:
     global _refusal_class
     if _refusal_class is None:  # vLLM is imported by now: this code runs inside its front end
         from vllm.exceptions import VLLMValidationError
 
         class Refused(SampleSupportRefused, VLLMValidationError):
-            def __init__(self, message: str, *, parameter: Optional[str] = None, value: Any = None) -> None:
+            def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
                 VLLMValidationError.__init__(self, message, parameter=parameter, value=value)
                 self.setting = parameter
 
@@ -93,9 +93,8 @@ def _fit_engine(wrapped, instance, args, kwargs):
         for name, value in saved.items():
             setattr(instance, name, value)
     if changes:
-        message = (
-            f"vllm.sample_support: {options.REQUESTS_ENV}={mode}: engine configuration changed: "
-            + ", ".join(changes)
+        message = f"vllm.sample_support: {options.REQUESTS_ENV}={mode}: engine configuration changed: " + ", ".join(
+            changes
         )
         log.warning("replay_plugin: %s (logprobs of every request are now processed logprobs)", message)
         states.note(message)
@@ -105,7 +104,7 @@ def _fit_engine(wrapped, instance, args, kwargs):
 # --------------------------------------------------------------------------- admission
 
 
-def plan_request(params: Any, vllm_config: Any) -> Optional[dict]:
+def plan_request(params: Any, vllm_config: Any) -> dict | None:
     """The capture plan of a resolved ``SamplingParams``, or None when it does not opt in.
 
     Raises ``SampleSupportRefused`` (naming the setting) when it opts in but cannot be replayed.
@@ -137,8 +136,7 @@ def plan_request(params: Any, vllm_config: Any) -> Optional[dict]:
         setting = getattr(exc, "setting", None)
         hint = ""
         if setting in ("logprobs_mode", "max_logprobs"):
-            hint = (f" (set {options.REQUESTS_ENV}=opt-in before the engine starts and the plugin "
-                    "fits the engine)")
+            hint = f" (set {options.REQUESTS_ENV}=opt-in before the engine starts and the plugin fits the engine)"
         if setting == "max_logprobs":
             hint = f" (W = top_k {top_k} + slack {slack})" + hint
         raise _refusal(f"{where} but {exc}{hint}", setting) from None
@@ -154,7 +152,7 @@ def plan_request(params: Any, vllm_config: Any) -> Optional[dict]:
     return {"width": int(width), "user_logprobs": user, "internal_logprobs": internal, "native": native}
 
 
-def _opts_in(extra: Optional[dict]) -> bool:
+def _opts_in(extra: dict | None) -> bool:
     """Whether a request (its ``extra_args``) asks for capture; a bad value of its own key is
     refused, a bad job-wide knob is reported once and treated as off."""
     try:
@@ -162,12 +160,13 @@ def _opts_in(extra: Optional[dict]) -> bool:
     except options.OptionError as exc:
         if exc.key != options.REQUESTS_ENV:  # the request's own key: refuse it
             raise _refusal(f"replay_plugin: {exc}", exc.key) from None
-        _warn_once(f"vllm.sample_support: {exc}; requests that do not set {options.SUPPORT_KEY!r} "
-                   "are not captured")  # a typo in the job's knob must not fail every request
+        _warn_once(
+            f"vllm.sample_support: {exc}; requests that do not set {options.SUPPORT_KEY!r} are not captured"
+        )  # a typo in the job's knob must not fail every request
         return False
 
 
-def _support_width(top_k: Any, slack: int, model_config: Any) -> Optional[int]:
+def _support_width(top_k: Any, slack: int, model_config: Any) -> int | None:
     """``W = top_k + slack``, capped at the vocabulary; None when ``top_k`` is not > 1 (the
     replayability check then refuses the request)."""
     if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 1):

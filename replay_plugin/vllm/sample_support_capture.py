@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +26,7 @@ OUTPUT_ATTR = "sample_support"
 _CAPTURE_ATTR = "_replay_plugin_capture"
 
 
-def sample_support(output: Any) -> Optional[SupportRows]:
+def sample_support(output: Any) -> SupportRows | None:
     """The ``SupportRows`` vLLM returned on a ``CompletionOutput`` (None when not captured)."""
     return getattr(output, "__dict__", {}).get(OUTPUT_ATTR)
 
@@ -74,7 +74,11 @@ def _count_rows(rows: SupportRows) -> None:
             "replay_plugin: vllm.sample_support: %d of %d captured support rows are inexact (the "
             "support was wider than the row width W=%d, e.g. more tokens tied at the k-th logit); "
             "they are flagged exact=False. Raise %s or the request's %r.",
-            bad, total, rows.width, options.SLACK_ENV, options.SLACK_KEY,
+            bad,
+            total,
+            rows.width,
+            options.SLACK_ENV,
+            options.SLACK_KEY,
         )
 
 
@@ -129,8 +133,9 @@ class _Capture:
 def _slice(rows: SupportRows, start: int, stop: int) -> SupportRows:
     if start == 0 and stop >= len(rows):
         return rows
-    return SupportRows(rows.ids[start:stop], rows.sampled[start:stop], rows.sampled_logprob[start:stop],
-                       rows.exact[start:stop])
+    return SupportRows(
+        rows.ids[start:stop], rows.sampled[start:stop], rows.sampled_logprob[start:stop], rows.exact[start:stop]
+    )
 
 
 # --------------------------------------------------------------------------- conversion
@@ -144,8 +149,9 @@ def _rows_from_arrays(ids: list[np.ndarray], lps: list[np.ndarray], width: int) 
         t, c = a.shape
         start = np.arange(t, dtype=np.int64) * c
         return support_from_flat_logprobs(
-            {"start_indices": start, "end_indices": start + c, "token_ids": a.reshape(-1),
-             "logprobs": b.reshape(-1)}, width)
+            {"start_indices": start, "end_indices": start + c, "token_ids": a.reshape(-1), "logprobs": b.reshape(-1)},
+            width,
+        )
     counts = np.fromiter((a.shape[0] for a in ids), np.int64, len(ids))
     cols = np.fromiter((a.shape[1] for a in ids), np.int64, len(ids))
     lens = np.repeat(cols, counts)
@@ -159,8 +165,9 @@ def _rows_from_arrays(ids: list[np.ndarray], lps: list[np.ndarray], width: int) 
     return support_from_flat_logprobs(flat, width)
 
 
-def rows_from_sampling_mask(mask: Any, token_ids: Any, width: int,
-                            sampled_logprobs: Optional[np.ndarray] = None) -> SupportRows:
+def rows_from_sampling_mask(
+    mask: Any, token_ids: Any, width: int, sampled_logprobs: np.ndarray | None = None
+) -> SupportRows:
     """Rows from vLLM's native ``SamplingMask`` (``token_ids: list[list[int]]``, one list per
     generated token) for the generated ``token_ids`` of one output.
 
@@ -172,12 +179,13 @@ def rows_from_sampling_mask(mask: Any, token_ids: Any, width: int,
     t = len(token_ids)
     if len(per_position) < t:
         raise ValueError(f"sampling mask has {len(per_position)} positions for {t} generated tokens")
-    per_position = per_position[len(per_position) - t:]
+    per_position = per_position[len(per_position) - t :]
     lp = None
     if sampled_logprobs is not None and len(sampled_logprobs) >= t:
-        lp = np.asarray(sampled_logprobs, dtype=np.float32)[len(sampled_logprobs) - t:]
-    return support_from_sampling_mask(per_position, np.asarray(list(token_ids), dtype=np.int64), width,
-                                      sampled_logprobs=lp)
+        lp = np.asarray(sampled_logprobs, dtype=np.float32)[len(sampled_logprobs) - t :]
+    return support_from_sampling_mask(
+        per_position, np.asarray(list(token_ids), dtype=np.int64), width, sampled_logprobs=lp
+    )
 
 
 def _missing_rows(token_ids: np.ndarray, width: int) -> SupportRows:
@@ -204,15 +212,26 @@ def _output_rows(capture: _Capture, output: Any, delta: bool) -> SupportRows:
     else:
         rows = capture.take(n, delta)
         if len(rows) < n:
-            log.error("replay_plugin: vllm.sample_support: %d support rows for %d generated tokens; "
-                      "the missing rows are empty and inexact", len(rows), n)
-            rows = SupportRows.concat([rows, _missing_rows(tokens[len(rows):], capture.width)])
+            log.error(
+                "replay_plugin: vllm.sample_support: %d support rows for %d generated tokens; "
+                "the missing rows are empty and inexact",
+                len(rows),
+                n,
+            )
+            rows = SupportRows.concat([rows, _missing_rows(tokens[len(rows) :], capture.width)])
     misaligned = rows.sampled.astype(np.int64) != tokens
     if misaligned.any():
-        log.error("replay_plugin: vllm.sample_support: %d support rows were captured for other tokens "
-                  "than the output's; flagged inexact", int(misaligned.sum()))
-        rows = SupportRows(np.where(misaligned[:, None], PAD, rows.ids), tokens.astype(np.int32),
-                           np.where(misaligned, np.nan, rows.sampled_logprob), rows.exact & ~misaligned)
+        log.error(
+            "replay_plugin: vllm.sample_support: %d support rows were captured for other tokens "
+            "than the output's; flagged inexact",
+            int(misaligned.sum()),
+        )
+        rows = SupportRows(
+            np.where(misaligned[:, None], PAD, rows.ids),
+            tokens.astype(np.int32),
+            np.where(misaligned, np.nan, rows.sampled_logprob),
+            rows.exact & ~misaligned,
+        )
     return rows
 
 
@@ -272,9 +291,12 @@ def _attach(wrapped, instance, args, kwargs):
 
     try:
         output.__dict__[OUTPUT_ATTR] = _output_rows(capture, output, instance.output_kind == RequestOutputKind.DELTA)
-    except Exception:  # noqa: BLE001 - never take the engine's output loop down
-        log.exception("replay_plugin: vllm.sample_support: could not build the support rows of "
-                      "request %s; the output carries none", getattr(instance, "request_id", "?"))
+    except Exception:
+        log.exception(
+            "replay_plugin: vllm.sample_support: could not build the support rows of "
+            "request %s; the output carries none",
+            getattr(instance, "request_id", "?"),
+        )
     return output
 
 
@@ -293,8 +315,10 @@ def _merge_deltas(wrapped, instance, args, kwargs):
                 continue
             previous = target.__dict__.get(OUTPUT_ATTR)
             if previous is None:
-                log.error("replay_plugin: vllm.sample_support: merging a delta output into one "
-                          "without support rows; the merged output carries none")
+                log.error(
+                    "replay_plugin: vllm.sample_support: merging a delta output into one "
+                    "without support rows; the merged output carries none"
+                )
                 continue
             target.__dict__[OUTPUT_ATTR] = SupportRows.concat([previous, rows])
     return result

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import need, run_python
 
 pytestmark = pytest.mark.timeout(900)
@@ -51,21 +50,36 @@ def test_reduced_demo_meets_the_acceptance_figures(tmp_path):
     out_json, out_png = tmp_path / "demo.json", tmp_path / "demo.png"
     exe = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
-    proc = subprocess.run([exe, "demo", "--num-prompts", "8", "--max-tokens", "32", "--json", str(out_json),
-                           "--plot", str(out_png)], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, timeout=800)
+    proc = subprocess.run(
+        [exe, "demo", "--num-prompts", "8", "--max-tokens", "32", "--json", str(out_json), "--plot", str(out_png)],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[demo " in proc.stderr  # progress is shown
     assert "mean ratio" in proc.stdout  # the table
     doc = json.loads(out_json.read_text())
     rows = {(r["precision"], r["replay"]): r for r in doc["rows"]}
     assert set(rows) == {(p, s) for p in ("float32", "bfloat16") for s in ("none", "routes", "support", "both")}
-    keys = {"precision", "replay", "mean_abs_delta", "max_abs_delta", "k3_kl", "mean_ratio",
-            "frac_ratio_outside", "route_agreement"}
+    keys = {
+        "precision",
+        "replay",
+        "mean_abs_delta",
+        "max_abs_delta",
+        "k3_kl",
+        "mean_ratio",
+        "frac_ratio_outside",
+        "route_agreement",
+    }
     assert all(set(r) == keys for r in doc["rows"])
 
-    f32, bf16 = {s: rows[("float32", s)] for s in ("none", "routes", "support", "both")}, \
-        {s: rows[("bfloat16", s)] for s in ("none", "routes", "support", "both")}
+    f32, bf16 = (
+        {s: rows[("float32", s)] for s in ("none", "routes", "support", "both")},
+        {s: rows[("bfloat16", s)] for s in ("none", "routes", "support", "both")},
+    )
     # float32 with both replays: only numeric noise between two float32 implementations remains
     assert f32["both"]["mean_abs_delta"] <= 1e-4
     assert abs(f32["both"]["mean_ratio"] - 1.0) <= 1e-4
@@ -87,9 +101,14 @@ def test_reduced_demo_with_the_hf_trainer(tmp_path):
     out_json = tmp_path / "demo-hf.json"
     exe = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
-    proc = subprocess.run([exe, "demo", "--trainer", "hf", "--num-prompts", "6", "--max-tokens", "24",
-                           "--json", str(out_json)], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, timeout=800)
+    proc = subprocess.run(
+        [exe, "demo", "--trainer", "hf", "--num-prompts", "6", "--max-tokens", "24", "--json", str(out_json)],
+        env=env,
+        cwd=str(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {(r["precision"], r["replay"]): r for r in json.loads(out_json.read_text())["rows"]}
     assert set(rows) == {(p, s) for p in ("float32", "bfloat16") for s in ("none", "support")}

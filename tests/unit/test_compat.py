@@ -9,16 +9,22 @@ from replay_plugin import compat
 SPEC = SpecifierSet(">=0.16.0,<0.20")
 
 
-@pytest.mark.parametrize("version,inside", [
-    ("0.16.0", True), ("0.16.1", True), ("0.19.2", True),
-    ("0.19.0rc1", True),        # pre-release of a supported version: in, on purpose
-    ("0.19.0.dev3", True),      # dev release likewise
-    ("0.17.1+cpu", True),       # local versions compare by their public part
-    ("0.19.2.post1", True),
-    ("0.16.0rc1", False),       # a pre-release precedes the lower bound
-    ("0.20.0rc1", False),       # PEP 440: <0.20 excludes pre-releases of 0.20
-    ("0.20.0", False), ("0.15.3", False),
-])
+@pytest.mark.parametrize(
+    "version,inside",
+    [
+        ("0.16.0", True),
+        ("0.16.1", True),
+        ("0.19.2", True),
+        ("0.19.0rc1", True),  # pre-release of a supported version: in, on purpose
+        ("0.19.0.dev3", True),  # dev release likewise
+        ("0.17.1+cpu", True),  # local versions compare by their public part
+        ("0.19.2.post1", True),
+        ("0.16.0rc1", False),  # a pre-release precedes the lower bound
+        ("0.20.0rc1", False),  # PEP 440: <0.20 excludes pre-releases of 0.20
+        ("0.20.0", False),
+        ("0.15.3", False),
+    ],
+)
 def test_version_in(version, inside):
     assert compat.version_in(version, SPEC) is inside
 
@@ -43,19 +49,33 @@ def test_shipped_matrix_validates():
     assert "megatron-core" in m.upstreams and "megatron.router_replay_scope" in m.patches
 
 
-@pytest.mark.parametrize("mutate,message", [
-    (lambda r: r.update(schema_version=2), "schema_version must be 1"),
-    (lambda r: r.update(extra=1), "unknown top-level keys"),
-    (lambda r: r["upstreams"]["vllm"].update(supported="not a spec"), "not a PEP 440 specifier"),
-    (lambda r: r["upstreams"]["vllm"].update(tested=["0.10.0"]), "outside supported"),
-    (lambda r: r["patches"]["megatron.router_replay_scope"].pop("why"), "missing keys \\['why'\\]"),
-    (lambda r: r["patches"]["megatron.router_replay_scope"].update(upstream="nope"), "upstream 'nope'"),
-    (lambda r: r["patches"]["megatron.router_replay_scope"].update(env="REPLAY_PLUGIN_X"), "unknown keys \\[.env.\\]"),
-    (lambda r: r["patches"]["megatron.router_replay_scope"].update(targets=["vllm.x:y"]), "is not inside 'megatron'"),
-    (lambda r: r["patches"]["megatron.router_replay_scope"].update(default="yes"), "'default' must be true or false"),
-    (lambda r: r["patches"]["megatron.router_replay_scope"].update(fingerprints={"0.16.1": {"a:b": "x"}}),
-     "must hold exactly the targets"),
-])
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda r: r.update(schema_version=2), "schema_version must be 1"),
+        (lambda r: r.update(extra=1), "unknown top-level keys"),
+        (lambda r: r["upstreams"]["vllm"].update(supported="not a spec"), "not a PEP 440 specifier"),
+        (lambda r: r["upstreams"]["vllm"].update(tested=["0.10.0"]), "outside supported"),
+        (lambda r: r["patches"]["megatron.router_replay_scope"].pop("why"), "missing keys \\['why'\\]"),
+        (lambda r: r["patches"]["megatron.router_replay_scope"].update(upstream="nope"), "upstream 'nope'"),
+        (
+            lambda r: r["patches"]["megatron.router_replay_scope"].update(env="REPLAY_PLUGIN_X"),
+            "unknown keys \\[.env.\\]",
+        ),
+        (
+            lambda r: r["patches"]["megatron.router_replay_scope"].update(targets=["vllm.x:y"]),
+            "is not inside 'megatron'",
+        ),
+        (
+            lambda r: r["patches"]["megatron.router_replay_scope"].update(default="yes"),
+            "'default' must be true or false",
+        ),
+        (
+            lambda r: r["patches"]["megatron.router_replay_scope"].update(fingerprints={"0.16.1": {"a:b": "x"}}),
+            "must hold exactly the targets",
+        ),
+    ],
+)
 def test_schema_errors_name_the_entry(mutate, message):
     raw = copy.deepcopy(_raw())
     mutate(raw)

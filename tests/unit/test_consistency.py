@@ -4,8 +4,8 @@ import importlib
 import os
 import subprocess
 import sys
-import tomllib
 
+import tomllib
 from packaging.requirements import Requirement
 
 from replay_plugin import _pth, compat, registry
@@ -66,8 +66,12 @@ def test_entry_points_declared():
 
 def test_generated_files_are_current():
     """replay_plugin.pth, pyproject extras and README tables equal what scripts/sync.py generates."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sync.py"), "--check"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "sync.py"), "--check"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout
 
 

@@ -25,8 +25,12 @@ print(finders[0].find_spec("json") if finders else None)
 def _run(env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
     env.update(env_extra)
-    return subprocess.run([sys.executable, "-S", "-c", PROBE, os.path.join(ROOT, "replay_plugin.pth")],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", PROBE, os.path.join(ROOT, "replay_plugin.pth")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_committed_pth_is_generated():
@@ -42,7 +46,11 @@ def test_one_line_starting_with_import():
 def test_arms_one_finder_imports_nothing_and_prints_nothing():
     proc = _run({})
     assert proc.returncode == 0 and proc.stderr == ""
-    count, new = proc.stdout.splitlines()[0].split(" ", 1) if " " in proc.stdout.splitlines()[0] else (proc.stdout.splitlines()[0], "")
+    count, new = (
+        proc.stdout.splitlines()[0].split(" ", 1)
+        if " " in proc.stdout.splitlines()[0]
+        else (proc.stdout.splitlines()[0], "")
+    )
     assert count == "1"
     assert "replay_plugin" not in new  # nothing of the package is imported at start-up
     assert proc.stdout.splitlines()[1] == "None"

@@ -39,10 +39,25 @@ def target_module():
     Target.__dict__.get("inherited") and delattr(Target, "inherited")
 
 
-def spec(name="test.patch", install=None, probe=None, default=True,
-         targets=(f"{MOD}:function", f"{MOD}:Target.method", f"{MOD}:Target.inherited")):
-    return PatchSpec(name=name, upstream="test-upstream", targets=targets, versions=SpecifierSet(">=0"),
-                     default=default, why="w", fix="f", remove_when="r", install=install, probe=probe)
+def spec(
+    name="test.patch",
+    install=None,
+    probe=None,
+    default=True,
+    targets=(f"{MOD}:function", f"{MOD}:Target.method", f"{MOD}:Target.inherited"),
+):
+    return PatchSpec(
+        name=name,
+        upstream="test-upstream",
+        targets=targets,
+        versions=SpecifierSet(">=0"),
+        default=default,
+        why="w",
+        fix="f",
+        remove_when="r",
+        install=install,
+        probe=probe,
+    )
 
 
 def add_one(wrapped, instance, args, kwargs):
@@ -94,8 +109,13 @@ def test_states(target_module):
     reg.register(spec("b.default_off", install=lambda p: None, default=False))
     reg.register(spec("c.toggled_off", install=lambda p: None))
     reg.register(spec("d.not_needed", install=lambda p: None, probe=lambda s: ProbeResult(False, "fixed upstream")))
-    reg.register(spec("e.applied", install=lambda p: p.wrap(f"{MOD}:function", add_one),
-                      probe=lambda s: ProbeResult(True, "bug present")))
+    reg.register(
+        spec(
+            "e.applied",
+            install=lambda p: p.wrap(f"{MOD}:function", add_one),
+            probe=lambda s: ProbeResult(True, "bug present"),
+        )
+    )
     cfg = settings.load({"REPLAY_PLUGIN_C_TOGGLED_OFF": "0"})
     got = {name: reg.apply(name, cfg) for name in reg.specs}
     assert got["a.not_implemented"].state == "not-implemented"
@@ -170,8 +190,17 @@ def test_observers_see_applied_and_failed(target_module):
 
 def test_knob_may_not_collide_with_toggle():
     with pytest.raises(ValueError, match="collides"):
-        PatchSpec(name="x.y", upstream="u", targets=("m:f",), versions=SpecifierSet(), default=True, why="",
-                  fix="", remove_when="", knobs=(Knob("REPLAY_PLUGIN_X_Y", "0", ""),))
+        PatchSpec(
+            name="x.y",
+            upstream="u",
+            targets=("m:f",),
+            versions=SpecifierSet(),
+            default=True,
+            why="",
+            fix="",
+            remove_when="",
+            knobs=(Knob("REPLAY_PLUGIN_X_Y", "0", ""),),
+        )
 
 
 def test_wrapping_an_undeclared_target_is_refused(target_module):

@@ -10,8 +10,19 @@ def test_toggle_name():
     assert toggle_name("ulysses.nd_partition") == "REPLAY_PLUGIN_ULYSSES_ND_PARTITION"
 
 
-@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("ON", True), ("yes", True),
-                                            ("0", False), ("false", False), ("off", False), ("", False)])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("ON", True),
+        ("yes", True),
+        ("0", False),
+        ("false", False),
+        ("off", False),
+        ("", False),
+    ],
+)
 def test_parse_bool(value, expected):
     assert settings.parse_bool("X", value) is expected
 
@@ -22,8 +33,13 @@ def test_parse_bool_rejects_garbage():
 
 
 def test_load_and_toggle():
-    cfg = settings.load({"REPLAY_PLUGIN_STRICT": "1", "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE": "0",
-                         "REPLAY_PLUGIN_STATUS_DIR": "/tmp/x"})
+    cfg = settings.load(
+        {
+            "REPLAY_PLUGIN_STRICT": "1",
+            "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE": "0",
+            "REPLAY_PLUGIN_STATUS_DIR": "/tmp/x",
+        }
+    )
     assert cfg.strict and not cfg.disable and not cfg.allow_unsupported
     assert cfg.status_dir == "/tmp/x"
     assert cfg.toggle("REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE") is False
@@ -48,7 +64,8 @@ def test_unknown_names_reported_with_suggestion():
     env = {"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCPOE": "0", "REPLAY_PLUGIN_STRICT": "1", "OTHER": "x"}
     problems = settings.problems(known, env)
     assert problems == [
-        "unknown variable REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCPOE; did you mean REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE?"
+        "unknown variable REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCPOE; did you mean "
+        "REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE?"
     ]
 
 

@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-
 from conftest import need, plugin_installed_as_wheel, run_python
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,7 +36,7 @@ def report(env=None):
     proc = run_python(REPORT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT"):]), proc.stderr
+    return json.loads(line[len("REPORT") :]), proc.stderr
 
 
 @pytest.fixture(autouse=True)
@@ -86,8 +85,9 @@ def light(env):
 
 
 def test_toggle_and_unknown_variable():
-    out, stderr = light({"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE": "0",
-                         "REPLAY_PLUGIN_MEGATRON_EXPERT_BIAS_PADING_MASK": "0"})
+    out, stderr = light(
+        {"REPLAY_PLUGIN_MEGATRON_ROUTER_REPLAY_SCOPE": "0", "REPLAY_PLUGIN_MEGATRON_EXPERT_BIAS_PADING_MASK": "0"}
+    )
     assert not out["core_imported"]
     rows = out["rows"]
     assert rows["megatron.router_replay_scope"]["state"] == "disabled"
@@ -103,8 +103,12 @@ def test_status_cli_json_is_clean_json():
     import sys
 
     exe = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
-    proc = subprocess.run([exe, "status", "--json", "--import", "megatron.core"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, cwd="/")
+    proc = subprocess.run(
+        [exe, "status", "--json", "--import", "megatron.core"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # stdout holds the document and nothing else
     assert set(doc) == {"patches"}
@@ -161,7 +165,7 @@ def test_double_activation_revert_and_foreign_wrapper():
     assert "revert refused" in proc.stderr
 
 
-FAULTY_PACK = '''
+FAULTY_PACK = """
 from packaging.specifiers import SpecifierSet
 from replay_plugin.hooks import hookimpl
 from replay_plugin.spec import PatchSpec
@@ -175,7 +179,7 @@ def replay_plugin_patches():
                       targets=("megatron.core.parallel_state:initialize_model_parallel",),
                       versions=SpecifierSet(">=0"), default=True, why="test", fix="-", remove_when="-",
                       install=boom, trigger="megatron.core")]
-'''
+"""
 
 
 def _pack_dir(tmp_path, entry_points):
@@ -206,8 +210,8 @@ import megatron.core
 import replay_plugin
 from replay_plugin import states
 rows = {r["name"]: r for r in replay_plugin.status()}
-print("REPORT" + json.dumps({"faulty": rows["faulty.pack_patch"], "scope": rows["megatron.router_replay_scope"]["state"],
-      "events": states.events()}))
+scope = rows["megatron.router_replay_scope"]["state"]
+print("REPORT" + json.dumps({"faulty": rows["faulty.pack_patch"], "scope": scope, "events": states.events()}))
 """
 
 

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import need, run_python
 
 pytestmark = pytest.mark.timeout(600)
@@ -20,7 +19,7 @@ PATCH = "megatron.router_replay_scope"
 def cli(*args, env=None):
     full = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
     full.update(env or {})
-    return subprocess.run([CLI, *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    return subprocess.run([CLI, *args], env=full, capture_output=True, text=True, cwd="/")
 
 
 def shipped_matrix():
@@ -77,7 +76,10 @@ def test_matrix_check_fails_on_a_changed_fingerprint(tmp_path):
     assert f"FAIL {PATCH}: source of {target} differs from the fingerprint recorded for {v}" in proc.stdout
 
 
-STATE = "import megatron.core, json, replay_plugin; print('REPORT' + json.dumps({r['name']: r for r in replay_plugin.status()}))"
+STATE = (
+    "import megatron.core, json, replay_plugin; "
+    "print('REPORT' + json.dumps({r['name']: r for r in replay_plugin.status()}))"
+)
 
 
 def _state(env):

@@ -8,12 +8,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import need
 
 pytestmark = pytest.mark.timeout(900)
 
-CHILDREN = r'''
+CHILDREN = r"""
 import inspect, json, multiprocessing as mp, os, sys
 
 def child(q):
@@ -32,7 +31,7 @@ if __name__ == "__main__":
     pid, marker = q.get(timeout=300)
     p.join(timeout=300)
     print("REPORT" + json.dumps({"parent": os.getpid(), "child": pid, "marker": marker, "exit": p.exitcode}))
-'''
+"""
 
 
 def _status_files(directory):
@@ -57,8 +56,14 @@ def test_multiprocessing_children(method, tmp_path):
     script = tmp_path / "children.py"
     script.write_text(CHILDREN)
     status_dir = tmp_path / "status"
-    proc = subprocess.run([sys.executable, str(script), method], env=_clean_env(REPLAY_PLUGIN_STATUS_DIR=str(status_dir)),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), method],
+        env=_clean_env(REPLAY_PLUGIN_STATUS_DIR=str(status_dir)),
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])
     assert out["exit"] == 0 and out["marker"] == "megatron.router_replay_scope"
@@ -68,7 +73,7 @@ def test_multiprocessing_children(method, tmp_path):
     assert states["megatron.router_replay_scope"] == "applied"
 
 
-TORCHRUN = r'''
+TORCHRUN = r"""
 import inspect, os
 import torch.distributed as dist
 dist.init_process_group("gloo")
@@ -79,7 +84,7 @@ assert patch_marker(inspect.getattr_static(s, "forward_backward_no_pipelining"))
 states.write_file()
 dist.barrier()
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_torchrun_two_ranks(tmp_path):
@@ -88,9 +93,14 @@ def test_torchrun_two_ranks(tmp_path):
     script.write_text(TORCHRUN)
     status_dir = tmp_path / "status"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
-                          env=_clean_env(REPLAY_PLUGIN_STATUS_DIR=str(status_dir), OMP_NUM_THREADS="1"),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path), timeout=600)
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+        env=_clean_env(REPLAY_PLUGIN_STATUS_DIR=str(status_dir), OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     docs = [d for d in _status_files(status_dir).values() if d["process"]["rank"] is not None]
     assert sorted(d["process"]["rank"] for d in docs) == [0, 1]

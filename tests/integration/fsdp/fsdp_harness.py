@@ -22,7 +22,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(os.path.dirname(HERE))
@@ -71,7 +72,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(extra: Optional[dict] = None) -> dict:
+def rank_env(extra: dict | None = None) -> dict:
     """This environment without REPLAY_PLUGIN_* settings or PYTHONPATH, one thread per rank."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
     env.pop("PYTHONPATH", None)
@@ -82,20 +83,25 @@ def rank_env(extra: Optional[dict] = None) -> dict:
     return env
 
 
-def run_ranks(scenario: Callable, world: int, *, env: Optional[dict] = None, timeout: float = 240,
-              **kwargs: Any) -> list:
+def run_ranks(scenario: Callable, world: int, *, env: dict | None = None, timeout: float = 240, **kwargs: Any) -> list:
     """Run ``scenario(rank=r, world=world, **kwargs)`` on ``world`` gloo ranks; per-rank values."""
     path = os.path.abspath(sys.modules[scenario.__module__].__file__)
     port = str(free_port())
-    code = f"import sys; sys.path[:0] = [{HERE!r}, {TESTS!r}]; import fsdp_harness; fsdp_harness._rank_main(sys.argv[1:])"
+    code = (
+        f"import sys; sys.path[:0] = [{HERE!r}, {TESTS!r}]; import fsdp_harness; fsdp_harness._rank_main(sys.argv[1:])"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         # Output goes to files, not pipes: a rank that fills a pipe nobody reads would block.
-        files = [(open(os.path.join(tmp, f"{r}.out"), "w+"), open(os.path.join(tmp, f"{r}.err"), "w+"))
-                 for r in range(world)]
+        files = [
+            (open(os.path.join(tmp, f"{r}.out"), "w+"), open(os.path.join(tmp, f"{r}.err"), "w+")) for r in range(world)
+        ]
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", code, path, scenario.__name__, str(r), str(world), port, json.dumps(kwargs)],
-                stdout=files[r][0], stderr=files[r][1], env=rank_env(env), cwd="/",
+                stdout=files[r][0],
+                stderr=files[r][1],
+                env=rank_env(env),
+                cwd="/",
             )
             for r in range(world)
         ]
@@ -126,7 +132,7 @@ def run_ranks(scenario: Callable, world: int, *, env: Optional[dict] = None, tim
         if not lines:
             failures.append(f"rank {r} died (exit {procs[r].returncode}):\n{err[-4000:]}")
             continue
-        res = json.loads(lines[-1][len(RESULT):])
+        res = json.loads(lines[-1][len(RESULT) :])
         if not res["ok"]:
             failures.insert(0, f"rank {r} failed:\n{res['error']}")
         values.append(res["value"])

@@ -26,10 +26,8 @@ hidden-state path's gradients, the typed errors, and the lazy package import.
 
 from __future__ import annotations
 
-
-import pytest
-
 import fsdp_harness
+import pytest
 from conftest import need, run_python
 
 pytestmark = pytest.mark.timeout(400)
@@ -85,8 +83,11 @@ def make_batch(vocab: int, eos: int, seed: int = 0) -> dict:
         masks.append(lm)
     dense = dense_support_batch(rows, responses, masks, S, eos, vocab_size=vocab)
     return {
-        "input_ids": ids, "attention_mask": am, "support": torch.from_numpy(dense.ids),
-        "loss_mask": torch.from_numpy(dense.loss_mask[:, -A:]), "num_synthetic_eos": dense.num_synthetic_eos,
+        "input_ids": ids,
+        "attention_mask": am,
+        "support": torch.from_numpy(dense.ids),
+        "loss_mask": torch.from_numpy(dense.loss_mask[:, -A:]),
+        "num_synthetic_eos": dense.num_synthetic_eos,
         "weights": torch.from_numpy(rng.uniform(0.5, 1.5, size=(B, A))).float(),
     }
 
@@ -112,7 +113,6 @@ def explicit_reference(logits, batch: dict, temperature: float):
 
 
 def _packed(batch: dict, rows):
-    import torch
 
     am = batch["attention_mask"][rows]
     ids = batch["input_ids"][rows]
@@ -143,8 +143,12 @@ def _upstream_ops(upstream: str) -> dict:
             lp = U.gather_outputs_and_unpad(lp, gather_dim=0, unpad_dim=0, padding_size=pad)
             return pad_input(lp.unsqueeze(-1), idx, batch_size, S).squeeze(-1)
 
-        return {"set_group": U.set_ulysses_sequence_parallel_group, "sp_slice": sp_slice, "plain": plain,
-                "unpad": lambda ids, am: unpad_input(ids.unsqueeze(-1), am)[1]}
+        return {
+            "set_group": U.set_ulysses_sequence_parallel_group,
+            "sp_slice": sp_slice,
+            "plain": plain,
+            "unpad": lambda ids, am: unpad_input(ids.unsqueeze(-1), am)[1],
+        }
     from skyrl.backends.skyrl_train.distributed.ulysses import utils as U
 
     def sp_slice(x, sp):
@@ -158,8 +162,12 @@ def _upstream_ops(upstream: str) -> dict:
         lp = U.gather_outputs_and_unpad(lp, gather_dim=1, unpad_dim=1, padding_size=pad)
         return lp.new_zeros(batch_size * S).index_copy(0, idx, lp[0]).view(batch_size, S)
 
-    return {"set_group": U.set_ulysses_sequence_parallel_group, "sp_slice": sp_slice, "plain": plain,
-            "unpad": lambda ids, am: am.reshape(-1).nonzero().squeeze(1)}
+    return {
+        "set_group": U.set_ulysses_sequence_parallel_group,
+        "sp_slice": sp_slice,
+        "plain": plain,
+        "unpad": lambda ids, am: am.reshape(-1).nonzero().squeeze(1),
+    }
 
 
 class _OpSizes:
@@ -169,9 +177,18 @@ class _OpSizes:
         import torch
         from torch.overrides import TorchFunctionMode
 
-        watched = {torch.exp, torch.Tensor.exp, torch.logsumexp, torch.Tensor.logsumexp, torch.log_softmax,
-                   torch.Tensor.log_softmax, torch.nn.functional.log_softmax, torch.softmax, torch.Tensor.softmax,
-                   torch.nn.functional.softmax}
+        watched = {
+            torch.exp,
+            torch.Tensor.exp,
+            torch.logsumexp,
+            torch.Tensor.logsumexp,
+            torch.log_softmax,
+            torch.Tensor.log_softmax,
+            torch.nn.functional.log_softmax,
+            torch.softmax,
+            torch.Tensor.softmax,
+            torch.nn.functional.softmax,
+        }
         sizes = self.sizes = []
 
         class Mode(TorchFunctionMode):
@@ -249,8 +266,10 @@ def fsdp_replay(rank: int, world: int, upstream: str) -> dict:
         return worst
 
     def combine(scale: float) -> dict:
-        return {n: None if half_grads[0][n] is None else scale * (half_grads[0][n] + half_grads[1][n])
-                for n in half_grads[0]}
+        return {
+            n: None if half_grads[0][n] is None else scale * (half_grads[0][n] + half_grads[1][n])
+            for n in half_grads[0]
+        }
 
     def forward_packed(rows):
         packed, ppos, idx = _packed(batch, rows)
@@ -263,8 +282,16 @@ def fsdp_replay(rank: int, world: int, upstream: str) -> dict:
     # and no cache: without use_cache=False the model builds a DynamicCache and the packed rows
     # attend to each other silently.
     logits, _, _, idx = forward_packed(mine)
-    lp = response_logprobs(logits, ids[mine], am[mine], A, support_ids=support[mine], loss_mask=lm[mine],
-                           indices=idx, temperature=TEMPERATURE)
+    lp = response_logprobs(
+        logits,
+        ids[mine],
+        am[mine],
+        A,
+        support_ids=support[mine],
+        loss_mask=lm[mine],
+        indices=idx,
+        temperature=TEMPERATURE,
+    )
     obs["dp_logprob_error"] = float(((lp - ref_lp[mine]) * lm[mine]).abs().max())
     (-(w[mine] * lp * lm[mine]).sum()).backward()
     obs["dp_grad_error"] = grad_error(combine(0.5))
@@ -273,8 +300,9 @@ def fsdp_replay(rank: int, world: int, upstream: str) -> dict:
     # ---- data parallel, padded layout (no remove-padding)
     with torch.no_grad():
         logits = model(input_ids=ids[mine], attention_mask=am[mine], position_ids=pos[mine], use_cache=False).logits
-        lp = response_logprobs(logits, ids[mine], am[mine], A, support_ids=support[mine], loss_mask=lm[mine],
-                               temperature=TEMPERATURE)
+        lp = response_logprobs(
+            logits, ids[mine], am[mine], A, support_ids=support[mine], loss_mask=lm[mine], temperature=TEMPERATURE
+        )
     obs["padded_logprob_error"] = float(((lp - ref_lp[mine]) * lm[mine]).abs().max())
 
     # ---- Ulysses SP = 2 over both ranks, remove-padding: the whole batch on each rank
@@ -300,8 +328,17 @@ def fsdp_replay(rank: int, world: int, upstream: str) -> dict:
     R._all_gather, R.full_vocab_logprobs_fixed_capacity = counting_gather, recording_fallback
     try:
         with _OpSizes() as sizes:
-            lp = response_logprobs(local, ids, am, A, support_ids=support, loss_mask=lm, indices=idx,
-                                   sp_group=group, temperature=TEMPERATURE)
+            lp = response_logprobs(
+                local,
+                ids,
+                am,
+                A,
+                support_ids=support,
+                loss_mask=lm,
+                indices=idx,
+                sp_group=group,
+                temperature=TEMPERATURE,
+            )
         obs["sp_replay_gathers"], obs["sp_replay_fallback"] = list(gathers), list(fallback_calls)
         obs["sp_replay_max_op"] = max(sizes.sizes)
         obs["sp_logprob_error"] = float(((lp - ref_lp) * lm).abs().max())
@@ -318,15 +355,25 @@ def fsdp_replay(rank: int, world: int, upstream: str) -> dict:
         no_eos[0, A - 1] = False
         no_eos[2, RESPONSES[2][0] - 1] = False
         with torch.no_grad():
-            response_logprobs(local, ids, am, A, support_ids=support, loss_mask=no_eos, indices=idx, sp_group=group,
-                              temperature=TEMPERATURE)
+            response_logprobs(
+                local,
+                ids,
+                am,
+                A,
+                support_ids=support,
+                loss_mask=no_eos,
+                indices=idx,
+                sp_group=group,
+                temperature=TEMPERATURE,
+            )
         obs["sp_no_eos_gathers"], obs["sp_no_eos_fallback"] = list(gathers), list(fallback_calls)
 
         # replay off: the ordinary full-vocabulary path, as the upstream's worker computes it
         gathers.clear()
         with torch.no_grad(), _OpSizes() as sizes:
-            plain = response_logprobs(local, ids, am, A, indices=idx, sp_group=group, temperature=TEMPERATURE,
-                                      replay=False)
+            plain = response_logprobs(
+                local, ids, am, A, indices=idx, sp_group=group, temperature=TEMPERATURE, replay=False
+            )
         obs["plain_gathers"] = list(gathers)
         obs["plain_max_op"] = max(sizes.sizes)
     finally:
@@ -345,8 +392,18 @@ def fsdp_replay(rank: int, world: int, upstream: str) -> dict:
     with torch.no_grad():
         hidden_full = ref.model(input_ids=packed, position_ids=ppos, use_cache=False).last_hidden_state
         hidden_local, _ = ops["sp_slice"](hidden_full, sp)
-        lp_h = response_logprobs(hidden_local, ids, am, A, support_ids=support, loss_mask=lm, indices=idx,
-                                 sp_group=group, temperature=TEMPERATURE, lm_head_weight=ref.lm_head.weight)
+        lp_h = response_logprobs(
+            hidden_local,
+            ids,
+            am,
+            A,
+            support_ids=support,
+            loss_mask=lm,
+            indices=idx,
+            sp_group=group,
+            temperature=TEMPERATURE,
+            lm_head_weight=ref.lm_head.weight,
+        )
     obs["hidden_logprob_error"] = float(((lp_h - ref_lp) * lm).abs().max())
 
     # ---- an SGD step on the SP gradients changes the parameters and raises the objective
@@ -360,8 +417,9 @@ def fsdp_replay(rank: int, world: int, upstream: str) -> dict:
     with torch.no_grad():
         logits_full, _, _, _ = forward_packed(everything)
         local, _ = ops["sp_slice"](logits_full, sp)
-        lp_after = response_logprobs(local, ids, am, A, support_ids=support, loss_mask=lm, indices=idx,
-                                     sp_group=group, temperature=TEMPERATURE)
+        lp_after = response_logprobs(
+            local, ids, am, A, support_ids=support, loss_mask=lm, indices=idx, sp_group=group, temperature=TEMPERATURE
+        )
     obs["objective_before"], obs["objective_after"] = objective, float((w * lp_after * lm).sum())
     return obs
 
@@ -381,7 +439,9 @@ def _check_fsdp_replay(results: list) -> None:
         # one all-gather of [1, part, 2] per call, and B fallback rows, with or without synthetic EOS
         part = r["sp_local_shape"][1]
         assert r["sp_replay_gathers"] == [[1, part, 2]] == r["sp_no_eos_gathers"]
-        assert [c["capacity"] for c in r["sp_replay_fallback"]] == [B] == [c["capacity"] for c in r["sp_no_eos_fallback"]]
+        assert (
+            [c["capacity"] for c in r["sp_replay_fallback"]] == [B] == [c["capacity"] for c in r["sp_no_eos_fallback"]]
+        )
         assert r["sp_no_eos_fallback"][0]["needed"] == 0
         # never [rows, V] in replay: the largest exp/logsumexp input is the fallback's [B, V]
         # (the plain path's is [part, V], more than B rows)

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import fsdp_harness
+import pytest
 from conftest import need, run_python
 
 pytestmark = pytest.mark.timeout(400)
@@ -72,7 +71,8 @@ def nd_capable(input_ids_rmpad, position_ids_rmpad=None, sp_size=1, pad_value=0)
     # what the patch makes of verl's ulysses_pad: pads dim 1 with pad_value
     n = input_ids_rmpad.size(1)
     pad = (sp_size - n % sp_size) % sp_size
-    fill = torch.full((input_ids_rmpad.shape[0], pad, *input_ids_rmpad.shape[2:]), pad_value, dtype=input_ids_rmpad.dtype)
+    shape = (input_ids_rmpad.shape[0], pad, *input_ids_rmpad.shape[2:])
+    fill = torch.full(shape, pad_value, dtype=input_ids_rmpad.dtype)
     if position_ids_rmpad is not None:
         position_ids_rmpad = torch.cat([position_ids_rmpad, torch.arange(pad).unsqueeze(0)], dim=-1)
     return torch.cat([input_ids_rmpad, fill], dim=1), position_ids_rmpad, pad
@@ -127,9 +127,14 @@ def verl_partition(rank: int, world: int) -> dict:
         h_out, _, _ = U.ulysses_pad_and_slice_inputs(hidden, None, sp_size=sp)
         h_out.sum().backward()
         obs[f"sp{sp}"] = {
-            "out": _tolist(out), "dtype": str(out.dtype), "pos": _tolist(pos), "pad": pad,
+            "out": _tolist(out),
+            "dtype": str(out.dtype),
+            "pos": _tolist(pos),
+            "pad": pad,
             "returned": len(routes_out) if isinstance(routes_out, tuple) else None,
-            "routes": _tolist(routes_out[0]), "routes_dtype": str(routes_out[0].dtype), "routes_pos": routes_out[1],
+            "routes": _tolist(routes_out[0]),
+            "routes_dtype": str(routes_out[0].dtype),
+            "routes_pos": routes_out[1],
             "tokens_equal_upstream": all(
                 (a is None and b is None) or (a == b if isinstance(a, int) else bool(torch.equal(a, b)))
                 for a, b in zip(tokens, tokens_upstream)
@@ -140,8 +145,12 @@ def verl_partition(rank: int, world: int) -> dict:
     _, ppos_2d, _ = inspect.unwrap(U.ulysses_pad)(support[..., 0], positions, sp_size=4, pad_value=-1)
     same, _, zero = U.ulysses_pad(support, None, sp_size=1, pad_value=-1)
     obs["pad_only"] = {
-        "shape": list(padded.shape), "tail": _tolist(padded[0, N:]), "head_equal": bool(torch.equal(padded[:, :N], support)),
-        "pos_equal_2d": bool(torch.equal(ppos, ppos_2d)), "pad": psize, "sp1_identity": same is support and zero == 0,
+        "shape": list(padded.shape),
+        "tail": _tolist(padded[0, N:]),
+        "head_equal": bool(torch.equal(padded[:, :N], support)),
+        "pos_equal_2d": bool(torch.equal(ppos, ppos_2d)),
+        "pad": psize,
+        "sp1_identity": same is support and zero == 0,
     }
     replay_plugin.deactivate()
     try:
@@ -168,7 +177,9 @@ def test_verl_nd_partition_on_four_ranks():
     padded_pos = torch.cat([positions, torch.zeros(1, 1, dtype=torch.int64)], dim=1)
     for r in results:
         assert r["state"] == "applied" and r["markers"] == ["ulysses.nd_partition"] * 2
-        assert r["after_deactivate"] is not None and r["after_deactivate"].startswith("ValueError"), r["after_deactivate"]
+        assert r["after_deactivate"] is not None and r["after_deactivate"].startswith("ValueError"), r[
+            "after_deactivate"
+        ]
         p = r["pad_only"]
         assert p["shape"] == [1, N + 1, W] and p["tail"] == [[-1] * W] and p["head_equal"] and p["pos_equal_2d"]
         assert p["pad"] == 1 and p["sp1_identity"]
@@ -199,8 +210,9 @@ def slice_input_tensor(x, dim, padding=True, group=None):
     return utils.slice_input_tensor(x, dim, padding=padding, group=group)
 
 
-def skyrl_two_d_only(input_ids_rmpad, position_ids_rmpad=None, attention_mask_rmpad=None, sp_size=1,
-                     input_padding_value=0):
+def skyrl_two_d_only(
+    input_ids_rmpad, position_ids_rmpad=None, attention_mask_rmpad=None, sp_size=1, input_padding_value=0
+):
     """skyrl's helper written as verl 0.9.1 writes its own: [batch, seq] input only."""
     import torch
 
@@ -251,18 +263,25 @@ def skyrl_partition(rank: int, world: int) -> dict:
 
     def same(a, b) -> bool:
         return len(a) == len(b) and all(
-            (x is None and y is None) or (x == y if isinstance(x, int) else bool(torch.equal(x, y))) for x, y in zip(a, b)
+            (x is None and y is None) or (x == y if isinstance(x, int) else bool(torch.equal(x, y)))
+            for x, y in zip(a, b)
         )
 
-    obs["native"] = {"out": _tolist(native[0]), "pos": _tolist(native[1]), "pad": native[3],
-                     "routes": _tolist(native_routes)}
-    obs["wrapper_real_equal"] = same(wrapped_real(support, positions, None, sp_size=world, input_padding_value=-1), native)
+    obs["native"] = {
+        "out": _tolist(native[0]),
+        "pos": _tolist(native[1]),
+        "pad": native[3],
+        "routes": _tolist(native_routes),
+    }
+    obs["wrapper_real_equal"] = same(
+        wrapped_real(support, positions, None, sp_size=world, input_padding_value=-1), native
+    )
     obs["wrapper_variant_equal"] = same(
         wrapped_variant(support, positions, None, sp_size=world, input_padding_value=-1), native
     )
-    obs["wrapper_variant_routes_equal"] = bool(torch.equal(
-        wrapped_variant(routes, sp_size=world, input_padding_value=255)[0], native_routes
-    ))
+    obs["wrapper_variant_routes_equal"] = bool(
+        torch.equal(wrapped_variant(routes, sp_size=world, input_padding_value=255)[0], native_routes)
+    )
     return obs
 
 
@@ -282,5 +301,7 @@ def test_skyrl_helper_needs_no_patch_and_probe_detects_two_d_only():
     padded = torch.cat([support, torch.full((1, 1, W), -1, dtype=torch.int32)], dim=1)
     padded_routes = torch.cat([routes, torch.full((1, 1, 2, 2), 255, dtype=torch.uint8)], dim=1)
     assert torch.equal(torch.tensor(_concat([r["native"]["out"] for r in results]), dtype=torch.int32), padded)
-    assert torch.equal(torch.tensor(_concat([r["native"]["routes"] for r in results]), dtype=torch.uint8), padded_routes)
+    assert torch.equal(
+        torch.tensor(_concat([r["native"]["routes"] for r in results]), dtype=torch.uint8), padded_routes
+    )
     assert [r["native"]["pad"] for r in results] == [1, 1]

@@ -29,7 +29,8 @@ checks, is the same.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -128,8 +129,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_distributed(rank: int = 0, world_size: int = 1, port: int | None = None, *, pp: int = 1, tp: int = 1,
-                     vp: int | None = None) -> None:
+def init_distributed(
+    rank: int = 0, world_size: int = 1, port: int | None = None, *, pp: int = 1, tp: int = 1, vp: int | None = None
+) -> None:
     """gloo process group on 127.0.0.1 and Megatron's model-parallel state (CPU)."""
     import torch.distributed as dist
     from megatron.core import parallel_state

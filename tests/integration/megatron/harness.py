@@ -29,7 +29,8 @@ import subprocess
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(os.path.dirname(HERE))
@@ -46,7 +47,7 @@ MEGATRON_PATCHES = (
 # inside a Megatron process
 
 
-def setup_process(rank: int = 0, world: int = 1, port: Optional[int] = None, **parallel: Any) -> None:
+def setup_process(rank: int = 0, world: int = 1, port: int | None = None, **parallel: Any) -> None:
     import cpu_shims
 
     cpu_shims.apply()
@@ -110,12 +111,25 @@ def config(**overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     base = dict(
-        num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
-        num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_enable_routing_replay=True, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="allgather", use_cpu_initialization=True, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        num_moe_experts=4,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_enable_routing_replay=True,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
     )
     base.update(overrides)
     return TransformerConfig(**base)
@@ -127,8 +141,15 @@ def dense_config(**overrides: Any):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     base = dict(
-        num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, use_cpu_initialization=True,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        num_layers=2,
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
     )
     base.update(overrides)
@@ -139,8 +160,16 @@ VOCAB = 32
 MAX_SEQ = 64
 
 
-def build_model(cfg=None, *, pre_process: bool = True, post_process: bool = True, seed: int = 0,
-                vp_stage: Optional[int] = None, vocab_size: int = VOCAB, **overrides: Any):
+def build_model(
+    cfg=None,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    seed: int = 0,
+    vp_stage: int | None = None,
+    vocab_size: int = VOCAB,
+    **overrides: Any,
+):
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -154,13 +183,22 @@ def build_model(cfg=None, *, pre_process: bool = True, post_process: bool = True
     else:
         spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
     extra = {} if vp_stage is None else {"vp_stage": vp_stage}
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=MAX_SEQ,
-                    pre_process=pre_process, post_process=post_process, **extra)
+    return GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=MAX_SEQ,
+        pre_process=pre_process,
+        post_process=post_process,
+        **extra,
+    )
 
 
 def routers(model) -> list:
     """(layer_number, TopKRouter) of the decoder routers, module order."""
-    return [(m.layer_number, m) for _, m in model.named_modules() if hasattr(m, "router_replay") and hasattr(m, "routing")]
+    return [
+        (m.layer_number, m) for _, m in model.named_modules() if hasattr(m, "router_replay") and hasattr(m, "routing")
+    ]
 
 
 class RouteSpy:
@@ -176,8 +214,9 @@ class RouteSpy:
         def hook(module, args, output):
             rr = module.router_replay
             action = rr.router_replay_action.name if rr is not None and rr.router_replay_action is not None else None
-            self.calls.append({"layer": layer, "action": action, "map": output[1].detach().clone(),
-                               "grad": torch.is_grad_enabled()})
+            self.calls.append(
+                {"layer": layer, "action": action, "map": output[1].detach().clone(), "grad": torch.is_grad_enabled()}
+            )
 
         return hook
 
@@ -238,7 +277,7 @@ def batch(seed: int = 0, lengths=(5, 8), seq: int = 8):
     ids, _ = tokens(len(lengths), seq, seed)
     attention = torch.zeros(len(lengths), seq, dtype=torch.bool)
     for b, n in enumerate(lengths):
-        attention[b, seq - n:] = True
+        attention[b, seq - n :] = True
     return ids, attention, TokenMetadataLayout.build(attention, packed=False, align=1)
 
 
@@ -290,8 +329,15 @@ def run_schedule(model, batches: list, *, forward_only: bool, step: Callable, se
         return out, loss_func
 
     fb = get_forward_backward_func()
-    return fb(forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(batches),
-              seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
+    return fb(
+        forward_step_func=forward_step,
+        data_iterator=it,
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=seq,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
 
 
 def expert_bias_counts(model) -> list:
@@ -372,15 +418,16 @@ def _rank_main(rank: int, world: int, port: int, path: str, func: str, kwargs: d
 
 
 def multirank_main(argv: list[str]) -> None:
-    import torch.multiprocessing as mp
-
     import cpu_shims
+    import torch.multiprocessing as mp
 
     path, func, world, kwargs, parallel = argv[0], argv[1], int(argv[2]), json.loads(argv[3]), json.loads(argv[4])
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = cpu_shims.free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, path, func, kwargs, parallel, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, path, func, kwargs, parallel, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, dict] = {}
@@ -396,7 +443,7 @@ def multirank_main(argv: list[str]) -> None:
 # in the pytest process
 
 
-def _env(extra: Optional[dict] = None) -> dict:
+def _env(extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
     env.pop("PYTHONPATH", None)
     env["TORCHDYNAMO_DISABLE"] = "1"
@@ -415,22 +462,30 @@ class Worker:
     """A long-lived single-rank Megatron process (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
     def _start(self) -> None:
         code = f"import sys; sys.path[:0] = [{HERE!r}, {TESTS!r}]; import harness; harness.serve()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=sys.stderr if os.environ.get("REPLAY_TEST_VERBOSE") else subprocess.DEVNULL,
-                                     text=True, env=_env(), cwd="/")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=sys.stderr if os.environ.get("REPLAY_TEST_VERBOSE") else subprocess.DEVNULL,
+            text=True,
+            env=_env(),
+            cwd="/",
+        )
         _raise_remote(self._read(), "worker start-up")
 
     def _read(self) -> dict:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(RESULT):
-                return json.loads(line[len(RESULT):])
-        raise AssertionError(f"the Megatron worker exited (code {self.proc.wait()}); run with REPLAY_TEST_VERBOSE=1 for its stderr")
+                return json.loads(line[len(RESULT) :])
+        raise AssertionError(
+            f"the Megatron worker exited (code {self.proc.wait()}); run with REPLAY_TEST_VERBOSE=1 for its stderr"
+        )
 
     def run(self, scenario: Callable, **kwargs: Any) -> Any:
         with self.lock:
@@ -451,21 +506,44 @@ class Worker:
                 self.proc.kill()
 
 
-def run_ranks(scenario: Callable, world: int, *, parallel: Optional[dict] = None, timeout: float = 300,
-              env: Optional[dict] = None, **kwargs: Any) -> list:
+def run_ranks(
+    scenario: Callable,
+    world: int,
+    *,
+    parallel: dict | None = None,
+    timeout: float = 300,
+    env: dict | None = None,
+    **kwargs: Any,
+) -> list:
     """Run ``scenario(rank=r, **kwargs)`` on ``world`` gloo ranks; returns the per-rank values."""
     path = os.path.abspath(sys.modules[scenario.__module__].__file__)
     code = f"import sys; sys.path[:0] = [{HERE!r}, {TESTS!r}]; import harness; harness.multirank_main(sys.argv[1:])"
-    proc = subprocess.run([sys.executable, "-c", code, path, scenario.__name__, str(world), json.dumps(kwargs),
-                           json.dumps(parallel or {})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=_env(env), cwd="/", timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            path,
+            scenario.__name__,
+            str(world),
+            json.dumps(kwargs),
+            json.dumps(parallel or {}),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(env),
+        cwd="/",
+        timeout=timeout,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT)]
     if not lines:
         raise AssertionError(f"multi-rank run failed (exit {proc.returncode}):\n{proc.stderr[-5000:]}")
-    return [_raise_remote(r, f"{scenario.__name__} rank {i}") for i, r in enumerate(json.loads(lines[-1][len(RESULT):]))]
+    return [
+        _raise_remote(r, f"{scenario.__name__} rank {i}") for i, r in enumerate(json.loads(lines[-1][len(RESULT) :]))
+    ]
 
 
-_shared: Optional[Worker] = None
+_shared: Worker | None = None
 
 
 def shared_worker() -> Worker:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 
-import pytest
-
 import harness
+import pytest
 from conftest import need, run_python
 
 pytestmark = pytest.mark.timeout(600)
@@ -36,8 +35,9 @@ def _ctx(patch: bool):
     return contextlib.nullcontext() if patch else harness.patch_off("megatron.expert_bias_padding_mask")
 
 
-def scenario_forward_backward(patch: bool, batch: int, seq: int, experts: int, recompute: bool = False,
-                              favour: tuple = ()):
+def scenario_forward_backward(
+    patch: bool, batch: int, seq: int, experts: int, recompute: bool = False, favour: tuple = ()
+):
     """One forward + backward with a padding mask; counts vs what the routers chose."""
     import torch
 
@@ -59,8 +59,10 @@ def scenario_forward_backward(patch: bool, batch: int, seq: int, experts: int, r
     valid = ~mask.transpose(0, 1).reshape(-1)  # the routers' token order is [seq, batch]
     out["counts"] = harness.expert_bias_counts(model)
     out["expected"] = [
-        sum((c["map"][valid].sum(0).float() for c in spy.calls if c["layer"] == layer and c["grad"]),
-            torch.zeros(experts)).tolist()
+        sum(
+            (c["map"][valid].sum(0).float() for c in spy.calls if c["layer"] == layer and c["grad"]),
+            torch.zeros(experts),
+        ).tolist()
         for layer, _ in harness.routers(model)
     ]
     out["router_calls_with_grad"] = sum(1 for c in spy.calls if c["grad"])

@@ -20,9 +20,8 @@ shard and the expert-bias counts match the valid tokens.
 
 from __future__ import annotations
 
-import pytest
-
 import harness
+import pytest
 from conftest import need
 
 pytestmark = pytest.mark.timeout(900)
@@ -40,12 +39,20 @@ def _pipeline(rank: int) -> dict:
     from replay_plugin.megatron import replay_routes
 
     first, last = rank == 0, rank == 1
-    kw = dict(num_layers=4, pipeline_model_parallel_size=2, batch_p2p_comm=False, moe_router_enable_expert_bias=False,
-              pre_process=first, post_process=last)
+    kw = dict(
+        num_layers=4,
+        pipeline_model_parallel_size=2,
+        batch_p2p_comm=False,
+        moe_router_enable_expert_bias=False,
+        pre_process=first,
+        post_process=last,
+    )
     out: dict = {}
     with harness.patch_off("megatron.router_layer_number"):
         harness.build_model(**kw)
-    out["replay_layer_numbers_off"] = [getattr(r, "layer_number", None) for r in RouterReplay.global_router_replay_instances]
+    out["replay_layer_numbers_off"] = [
+        getattr(r, "layer_number", None) for r in RouterReplay.global_router_replay_instances
+    ]
     RouterReplay.global_router_replay_instances.clear()
 
     model = harness.build_model(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, **kw)
@@ -70,8 +77,15 @@ def _pipeline(rank: int) -> dict:
         counted.append((nbytes, replay.int32_bytes, list(replay.layer_numbers)))
         return harness.forward(m, ids, layout, padding_mask=replay.padding_mask), lambda o: (o.float().mean(), {})
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=3,
-                                seq_length=S, micro_batch_size=B, forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=[model],
+        num_microbatches=3,
+        seq_length=S,
+        micro_batch_size=B,
+        forward_only=False,
+    )
     rows = harness.valid_rows(layout)
     checks = {}
     for layer in out["router_layer_numbers"]:
@@ -100,10 +114,19 @@ def _virtual_pipeline(rank: int) -> dict:
     harness.reinit_parallel(pp=2, vp=2)
     RouterReplay.global_router_replay_instances.clear()
     chunks = [
-        harness.build_model(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                            batch_p2p_comm=False, moe_router_enable_expert_bias=False, recompute_granularity="full",
-                            recompute_method="uniform", recompute_num_layers=1, vp_stage=v,
-                            pre_process=rank == 0 and v == 0, post_process=rank == 1 and v == 1)
+        harness.build_model(
+            num_layers=4,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            batch_p2p_comm=False,
+            moe_router_enable_expert_bias=False,
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=1,
+            vp_stage=v,
+            pre_process=rank == 0 and v == 0,
+            post_process=rank == 1 and v == 1,
+        )
         for v in (0, 1)
     ]
     ids, attention, layout = harness.batch(seed=4, lengths=LENGTHS, seq=S)
@@ -129,8 +152,15 @@ def _virtual_pipeline(rank: int) -> dict:
     out: dict = {"chunk_layers": mine}
     for label, step in (("upstream", upstream_step), ("driver", driver_step)):
         spies = [harness.RouteSpy(c) for c in chunks]
-        get_forward_backward_func()(forward_step_func=step, data_iterator=[iter(micro), iter(micro)], model=chunks,
-                                    num_microbatches=4, seq_length=S, micro_batch_size=B, forward_only=False)
+        get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=[iter(micro), iter(micro)],
+            model=chunks,
+            num_microbatches=4,
+            seq_length=S,
+            micro_batch_size=B,
+            forward_only=False,
+        )
         checks = {}
         for spy, chunk in zip(spies, chunks):
             for layer, _ in harness.routers(chunk):
@@ -147,13 +177,12 @@ def _virtual_pipeline(rank: int) -> dict:
 
 
 def _sequence_parallel(rank: int) -> dict:
+    import cpu_shims
     import torch
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from replay_plugin.core.layout import TokenMetadataLayout
     from replay_plugin.megatron import replay_routes
-
-    import cpu_shims
 
     cpu_shims.allow_sequence_parallel_norm()
     harness.reinit_parallel(tp=2)
@@ -174,9 +203,14 @@ def _sequence_parallel(rank: int) -> dict:
     local_rows = _local(harness.valid_rows(layout), a, half)
     out["first_stage_mask_shape"] = list(replay.padding_mask.shape)
     out["first_stage_ok"] = all(
-        bool((spy.maps(n, "REPLAY_FORWARD")[0][local_rows] ==
-              harness.routing_map(_local(harness.aligned_seq_major(routes, layout, n), a, half), E)[local_rows]).all())
-        for n in (1, 2))
+        bool(
+            (
+                spy.maps(n, "REPLAY_FORWARD")[0][local_rows]
+                == harness.routing_map(_local(harness.aligned_seq_major(routes, layout, n), a, half), E)[local_rows]
+            ).all()
+        )
+        for n in (1, 2)
+    )
     RouterReplay.clear_global_indices()
     RouterReplay.clear_global_router_replay_action()
 
@@ -193,8 +227,11 @@ def _sequence_parallel(rank: int) -> dict:
                 mask = replay.padding_mask
             later.set_input_tensor(hidden)
             later(None, None, harness.causal_mask(a), padding_mask=mask).float().mean().backward()
-            out[label] = {"error": None, "mask_shape": list(mask.shape),
-                          "counts": [float(r.local_tokens_per_expert.sum()) for _, r in harness.routers(later)]}
+            out[label] = {
+                "error": None,
+                "mask_shape": list(mask.shape),
+                "counts": [float(r.local_tokens_per_expert.sum()) for _, r in harness.routers(later)],
+            }
         except Exception as exc:  # noqa: BLE001
             out[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}", "mask_shape": list(mask.shape)}
         RouterReplay.clear_global_indices()
@@ -210,8 +247,11 @@ def _local(seq_major, a: int, half: slice):
 
 
 def scenario_ranks(rank: int) -> dict:
-    return {"pipeline": _pipeline(rank), "virtual_pipeline": _virtual_pipeline(rank),
-            "sequence_parallel": _sequence_parallel(rank)}
+    return {
+        "pipeline": _pipeline(rank),
+        "virtual_pipeline": _virtual_pipeline(rank),
+        "sequence_parallel": _sequence_parallel(rank),
+    }
 
 
 def test_pipeline_and_sequence_parallel():

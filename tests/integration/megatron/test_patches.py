@@ -10,11 +10,10 @@ import os
 import subprocess
 import sys
 
-import pytest
-from packaging.version import Version
-
 import harness
+import pytest
 from conftest import need
+from packaging.version import Version
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -118,17 +117,33 @@ def scenario_registry_with_swapped_upstream(name: str, attr: str, variant: str):
 
 
 def test_registry_follows_the_probe_not_the_version(worker):
-    fixed = worker.run(scenario_registry_with_swapped_upstream, name="megatron.expert_bias_padding_mask",
-                       attr="_apply_expert_bias", variant="fixed_apply_expert_bias")
+    fixed = worker.run(
+        scenario_registry_with_swapped_upstream,
+        name="megatron.expert_bias_padding_mask",
+        attr="_apply_expert_bias",
+        variant="fixed_apply_expert_bias",
+    )
     assert fixed["state"] == "not-needed" and "#6114" in fixed["reason"]
-    buggy = worker.run(scenario_registry_with_swapped_upstream, name="megatron.expert_bias_padding_mask",
-                       attr="_apply_expert_bias", variant="unmasked_apply_expert_bias")
+    buggy = worker.run(
+        scenario_registry_with_swapped_upstream,
+        name="megatron.expert_bias_padding_mask",
+        attr="_apply_expert_bias",
+        variant="unmasked_apply_expert_bias",
+    )
     assert buggy["state"] == "applied" and "miscounts" in buggy["reason"]
-    new = worker.run(scenario_registry_with_swapped_upstream, name="megatron.router_layer_number",
-                     attr="set_layer_number", variant="set_layer_number_019")
+    new = worker.run(
+        scenario_registry_with_swapped_upstream,
+        name="megatron.router_layer_number",
+        attr="set_layer_number",
+        variant="set_layer_number_019",
+    )
     assert new["state"] == "not-needed"
-    old = worker.run(scenario_registry_with_swapped_upstream, name="megatron.router_layer_number",
-                     attr="set_layer_number", variant="set_layer_number_016")
+    old = worker.run(
+        scenario_registry_with_swapped_upstream,
+        name="megatron.router_layer_number",
+        attr="set_layer_number",
+        variant="set_layer_number_016",
+    )
     assert old["state"] == "applied"
 
 
@@ -136,8 +151,13 @@ def test_status_cli_reports_every_megatron_patch():
     need("megatron-core")
     exe = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
-    proc = subprocess.run([exe, "status", "--json", "--import", "megatron.core"], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, cwd="/", env=env)
+    proc = subprocess.run(
+        [exe, "status", "--json", "--import", "megatron.core"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = {r["name"]: r for r in json.loads(proc.stdout)["patches"] if r["name"].startswith("megatron.")}
     native_layer_numbers = _megatron_version() >= Version("0.19.0")

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 import harness
+import pytest
 from conftest import need
 
 pytestmark = pytest.mark.timeout(600)
@@ -94,7 +93,7 @@ def scenario_record_then_replay():
     # batched record equals row s of recording trajectory b alone (causal attention).
     order_ok = True
     for b in range(B):
-        alone = _record(model, ids[b:b + 1], TokenMetadataLayout.build(attention[b:b + 1], packed=False, align=1))
+        alone = _record(model, ids[b : b + 1], TokenMetadataLayout.build(attention[b : b + 1], packed=False, align=1))
         for layer, idx in recorded.items():
             for s in range(layout.sequence_lengths[b]):
                 order_ok &= sorted(idx[s * B + b].tolist()) == sorted(alone[layer][s].tolist())
@@ -141,8 +140,11 @@ def scenario_compact_dtypes():
         clear_routes(model)
     ref_data, ref_logits, _ = results["uint8"]
     return {
-        dtype: {"same_data": bool(torch.equal(d, ref_data)), "same_logits": bool(torch.equal(lg, ref_logits)),
-                "replay_dtype": str(dt)}
+        dtype: {
+            "same_data": bool(torch.equal(d, ref_data)),
+            "same_logits": bool(torch.equal(lg, ref_logits)),
+            "replay_dtype": str(dt),
+        }
         for dtype, (d, lg, dt) in results.items()
     }
 
@@ -179,8 +181,9 @@ def scenario_schedule_with_recompute():
 
     from replay_plugin.megatron import replay_routes
 
-    model = harness.build_model(num_layers=2, recompute_granularity="full", recompute_method="uniform",
-                                recompute_num_layers=1)
+    model = harness.build_model(
+        num_layers=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
     spy = harness.RouteSpy(model)
     ids, attention, layout = harness.batch(seed=7)
     micro = [harness.distinct_routes(B, S, 2, K, E, seed=s) for s in (21, 22)]
@@ -191,15 +194,23 @@ def scenario_schedule_with_recompute():
         replay = replay_routes(m, routes, ~attention, layout)
         return harness.forward(m, ids, layout, padding_mask=replay.padding_mask), lambda o: (o.float().mean(), {})
 
-    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[model],
-                                num_microbatches=2, seq_length=S, micro_batch_size=B, forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=[model],
+        num_microbatches=2,
+        seq_length=S,
+        micro_batch_size=B,
+        forward_only=False,
+    )
     rows = harness.valid_rows(layout)
     out = {}
     for layer in (1, 2):
         fwd, bwd = spy.maps(layer, "REPLAY_FORWARD"), spy.maps(layer, "REPLAY_BACKWARD")
         want = [harness.routing_map(harness.aligned_seq_major(r, layout, layer), E) for r in micro]
         out[layer] = {
-            "forward_calls": len(fwd), "backward_calls": len(bwd),
+            "forward_calls": len(fwd),
+            "backward_calls": len(bwd),
             "forward_ok": all(bool((f[rows] == w[rows]).all()) for f, w in zip(fwd, want)),
             "backward_ok": all(bool((b[rows] == w[rows]).all()) for b, w in zip(bwd, want)),
         }
@@ -263,14 +274,18 @@ def scenario_dense_first(layer_number_patch: bool):
     out = {
         "patch_state": harness.patch_state("megatron.router_layer_number"),
         "router_layer_numbers": [n for n, _ in harness.routers(model)],
-        "replay_layer_numbers": [getattr(rr, "layer_number", None) for rr in RouterReplay.global_router_replay_instances],
+        "replay_layer_numbers": [
+            getattr(rr, "layer_number", None) for rr in RouterReplay.global_router_replay_instances
+        ],
     }
     spy = harness.RouteSpy(model)
     # Positional mapping (the instance list has 2 entries for 3 layers): layers 1 and 2's data.
     RouterReplay.set_replay_data([harness.aligned_seq_major(routes, layout, n).int() for n in (1, 2)])
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     harness.forward(model, ids, layout)
-    out["positional_layer2_gets"] = [n for n in (1, 2, 3) if _maps_equal(spy, 2, harness.aligned_seq_major(routes, layout, n), rows)]
+    out["positional_layer2_gets"] = [
+        n for n in (1, 2, 3) if _maps_equal(spy, 2, harness.aligned_seq_major(routes, layout, n), rows)
+    ]
     clear_routes(model)
     spy.calls.clear()
 
@@ -305,8 +320,12 @@ def scenario_padding_rows(fallback_patch: bool):
     others = torch.ones(S * B, dtype=torch.bool)
     others[row] = False
     return {
-        "marked_row_experts": [sorted(torch.nonzero(spy.maps(n, "REPLAY_FORWARD")[0][row]).squeeze(1).tolist()) for n in (1, 2)],
-        "other_rows_replayed": all(_maps_equal(spy, n, harness.aligned_seq_major(routes, layout, n), others) for n in (1, 2)),
+        "marked_row_experts": [
+            sorted(torch.nonzero(spy.maps(n, "REPLAY_FORWARD")[0][row]).squeeze(1).tolist()) for n in (1, 2)
+        ],
+        "other_rows_replayed": all(
+            _maps_equal(spy, n, harness.aligned_seq_major(routes, layout, n), others) for n in (1, 2)
+        ),
         "own_rows": int(replay.own_rows.sum()),
     }
 
@@ -329,13 +348,23 @@ def scenario_refusals():
         try:
             fn()
         except (ReplayDataError, ReplayTypeError) as exc:
-            return {"type": type(exc).__name__, "field": exc.field, "trajectory": exc.trajectory,
-                    "token": exc.token, "message": str(exc)}
+            return {
+                "type": type(exc).__name__,
+                "field": exc.field,
+                "trajectory": exc.trajectory,
+                "token": exc.token,
+                "message": str(exc),
+            }
         return None
 
     # sinkhorn: upstream ignores RouterReplay silently
-    sink = harness.build_model(num_layers=2, moe_router_load_balancing_type="sinkhorn", moe_router_topk=1,
-                               moe_router_score_function="softmax", moe_router_enable_expert_bias=False)
+    sink = harness.build_model(
+        num_layers=2,
+        moe_router_load_balancing_type="sinkhorn",
+        moe_router_topk=1,
+        moe_router_score_function="softmax",
+        moe_router_enable_expert_bias=False,
+    )
     spy = harness.RouteSpy(sink)
     forced = torch.full((S * B, 1), 3, dtype=torch.int32)
     RouterReplay.set_replay_data([forced, forced])
@@ -367,7 +396,9 @@ def scenario_refusals():
     neg_mask = ~attention
     neg_mask[1, 7] = True  # a row without a recorded route holding -1 placeholders
     neg[1, 7] = -1
-    out["negative_in_rows_without_route"] = err(lambda: (replay_routes(model, neg, neg_mask, layout), clear_routes(model)))
+    out["negative_in_rows_without_route"] = err(
+        lambda: (replay_routes(model, neg, neg_mask, layout), clear_routes(model))
+    )
     neg[1, 6, 0, 1] = -1
     out["negative_in_a_route"] = err(lambda: replay_routes(model, neg, neg_mask, layout))
     replay_routes(model, good, ~attention, layout)  # installed, but the model never runs
@@ -457,10 +488,15 @@ def test_padding_rows_use_the_trainers_own_routing(worker):
 def test_refusals_name_the_field(worker):
     out = worker.run(scenario_refusals)
     assert out["sinkhorn_upstream_replayed"] is False  # upstream ignores replay silently
-    assert out["sinkhorn"]["type"] == "ReplayConfigError" and out["sinkhorn"]["field"] == "moe_router_load_balancing_type"
+    assert (
+        out["sinkhorn"]["type"] == "ReplayConfigError" and out["sinkhorn"]["field"] == "moe_router_load_balancing_type"
+    )
     assert out["fusion"]["field"] == "moe_router_fusion" and "do nothing" in out["fusion"]["message"]
     assert out["no_replay"]["field"] == "moe_enable_routing_replay"
-    assert out["expert_id"]["field"] == "routes" and (out["expert_id"]["trajectory"], out["expert_id"]["token"]) == (1, 5)
+    assert out["expert_id"]["field"] == "routes" and (out["expert_id"]["trajectory"], out["expert_id"]["token"]) == (
+        1,
+        5,
+    )
     assert "layer 2" in out["expert_id"]["message"] and "[0, 4)" in out["expert_id"]["message"]
     assert out["layers"]["field"] == "routes" and "1 layers" in out["layers"]["message"]
     assert out["topk"]["field"] == "routes" and "moe_router_topk = 2" in out["topk"]["message"]

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 import harness
+import pytest
 from conftest import need
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,13 +61,18 @@ def scenario_stale_fifo(patch: bool, train_seq: int = S, exception: bool = False
     import torch
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    model = harness.build_model(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-                                moe_router_enable_expert_bias=False)
+    model = harness.build_model(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        moe_router_enable_expert_bias=False,
+    )
     spy = harness.RouteSpy(model)
     ctx = contextlib.nullcontext() if patch else harness.patch_off("megatron.router_replay_scope")
     out: dict = {}
     with ctx:
         if exception:
+
             def failing(model, batch):
                 _replay_step(LOGPROB_EXPERTS, False)(model, batch)
                 raise RuntimeError("forward_step failed")
@@ -79,7 +83,9 @@ def scenario_stale_fifo(patch: bool, train_seq: int = S, exception: bool = False
                 out["first_error"] = str(exc)
         else:  # a forward-only logprob pass over two microbatches
             batches = [harness.tokens(B, S, 1), harness.tokens(B, S, 2)]
-            harness.run_schedule(model, batches, forward_only=True, step=_replay_step(LOGPROB_EXPERTS, True), seq=S, mbs=B)
+            harness.run_schedule(
+                model, batches, forward_only=True, step=_replay_step(LOGPROB_EXPERTS, True), seq=S, mbs=B
+            )
         out["fifo_between"] = [len(r.replay_backward_list) for r in RouterReplay.global_router_replay_instances]
         out["action_between"] = [str(r.router_replay_action) for r in RouterReplay.global_router_replay_instances]
         spy.calls.clear()
@@ -114,8 +120,9 @@ def scenario_forward_only_counts(patch: bool):
     with ctx:
         harness.run_schedule(model, [harness.tokens(B, S, 1)], forward_only=False, step=plain, seq=S, mbs=B)
         after_train = harness.expert_bias_counts(model)
-        harness.run_schedule(model, [harness.tokens(B, S, 2), harness.tokens(B, S, 3)], forward_only=True,
-                             step=plain, seq=S, mbs=B)
+        harness.run_schedule(
+            model, [harness.tokens(B, S, 2), harness.tokens(B, S, 3)], forward_only=True, step=plain, seq=S, mbs=B
+        )
         after_logprob = harness.expert_bias_counts(model)
         harness.run_schedule(model, [harness.tokens(B, S, 4)], forward_only=False, step=plain, seq=S, mbs=B)
         after_second_train = harness.expert_bias_counts(model)

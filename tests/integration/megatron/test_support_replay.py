@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 import harness
+import pytest
 from conftest import need
 
 pytestmark = pytest.mark.timeout(900)
@@ -90,9 +89,9 @@ def _batch():
     loss = torch.zeros(B, S, dtype=torch.bool)
     ids = torch.zeros(B, S, dtype=torch.long)
     for b, (n, p) in enumerate(zip(LENGTHS, PROMPTS)):
-        attention[b, S - n:] = True
-        loss[b, S - n + p:] = True
-        ids[b, S - n: S - n + p] = torch.randint(3, V, (p,), generator=g)
+        attention[b, S - n :] = True
+        loss[b, S - n + p :] = True
+        ids[b, S - n : S - n + p] = torch.randint(3, V, (p,), generator=g)
     return ids, attention, loss
 
 
@@ -190,16 +189,26 @@ def _fused_vs_explicit(h, weight, call, upstream) -> dict:
         hl = h.clone().requires_grad_()
         weight.grad = None
         if label == "explicit":  # what ColumnParallelLinear does with the same input
-            region = gather_from_sequence_parallel_region(hl) if call.get("sp") else copy_to_tensor_model_parallel_region(hl)
+            region = (
+                gather_from_sequence_parallel_region(hl) if call.get("sp") else copy_to_tensor_model_parallel_region(hl)
+            )
             out = replay_response_logprobs(F.linear(region, weight).transpose(0, 1), **call["kwargs"])
         else:
             out = replay_response_logprobs(hl, output_weight=weight, **call["kwargs"])
         (out * upstream).sum().backward()
         results[label] = (out.detach(), hl.grad.clone(), weight.grad.clone())
     (oe, he, we), (of, hf, wf) = results["explicit"], results["fused"]
-    return {"value": _max_diff(oe, of), "hidden_grad": _max_diff(he, hf), "weight_grad": _max_diff(we, wf),
-            "hidden_grad_norm": float(hf.norm()), "weight_grad_norm": float(wf.norm()), "out": of,
-            "hidden_grad_sum": float(hf.double().sum()), "explicit_hidden_grad": he, "upstream": upstream}
+    return {
+        "value": _max_diff(oe, of),
+        "hidden_grad": _max_diff(he, hf),
+        "weight_grad": _max_diff(we, wf),
+        "hidden_grad_norm": float(hf.norm()),
+        "weight_grad_norm": float(wf.norm()),
+        "out": of,
+        "hidden_grad_sum": float(hf.double().sum()),
+        "explicit_hidden_grad": he,
+        "upstream": upstream,
+    }
 
 
 def _naive_fused_hidden_grad(h, weight, ids, support, loss, layout, rank, fused) -> float:
@@ -215,10 +224,16 @@ def _naive_fused_hidden_grad(h, weight, ids, support, loss, layout, rank, fused)
     hl = h.clone().requires_grad_()
     trajectory = torch.arange(B).unsqueeze(1).expand(B, S)
     values = core.replay_logprobs(
-        copy_to_tensor_model_parallel_region(hl).transpose(0, 1), layout.align(ids, 0, next_token=True),
-        layout.align(support, -1, next_token=True), layout.align(loss, False, next_token=True),
-        layout.align(trajectory, -1, next_token=True), B, lm_head_weight=weight, temperature=TEMPERATURE,
-        vocab_start=rank * (V // 2), tp_group=parallel_state.get_tensor_model_parallel_group(),
+        copy_to_tensor_model_parallel_region(hl).transpose(0, 1),
+        layout.align(ids, 0, next_token=True),
+        layout.align(support, -1, next_token=True),
+        layout.align(loss, False, next_token=True),
+        layout.align(trajectory, -1, next_token=True),
+        B,
+        lm_head_weight=weight,
+        temperature=TEMPERATURE,
+        vocab_start=rank * (V // 2),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
     ).logprobs
     (layout.restore(values, 0.0) * fused["upstream"]).sum().backward()
     weight.grad = None
@@ -291,9 +306,13 @@ def _tensor_parallel(rank: int) -> tuple[dict, dict]:
     (lp * up).sum().backward()
     (ref * up).sum().backward()
     shard = slice(rank * V // 2, (rank + 1) * V // 2)
-    out["low_level"] = {"value": _max_diff(lp, ref), "valid_equal": bool((valid == ref_valid).all()),
-                        "grad": _max_diff(local.grad, gathered.grad[..., shard]), "grad_norm": float(local.grad.norm()),
-                        "collectives": counts}
+    out["low_level"] = {
+        "value": _max_diff(lp, ref),
+        "valid_equal": bool((valid == ref_valid).all()),
+        "grad": _max_diff(local.grad, gathered.grad[..., shard]),
+        "grad_norm": float(local.grad.norm()),
+        "collectives": counts,
+    }
 
     # 2. the batch helper (unpacked) == explicit per-token reference; the problem it closes
     with _count_collectives() as with_eos:
@@ -301,7 +320,9 @@ def _tensor_parallel(rank: int) -> tuple[dict, dict]:
     no_eos = loss.clone()
     no_eos[1, S - 1] = False
     with _count_collectives() as without_eos:
-        replay_response_logprobs(logits_u, ids, layout_u, support_ids=support, loss_mask=no_eos, temperature=TEMPERATURE)
+        replay_response_logprobs(
+            logits_u, ids, layout_u, support_ids=support, loss_mask=no_eos, temperature=TEMPERATURE
+        )
     reference = _reference(rows_u, ids, attention, support, loss, replay=True)
     ordinary = replay_response_logprobs(logits_u, ids, layout_u, temperature=TEMPERATURE)  # replay off
     supported = (support >= 0).any(-1)[:, 1:] & loss[:, 1:]  # [B, S-1], by predicting position
@@ -309,7 +330,8 @@ def _tensor_parallel(rank: int) -> tuple[dict, dict]:
     eos = (1, S - 2)
     full_lp_eos = _reference(rows_u, ids, attention, support, loss, replay=False)[eos]
     out["unpacked"] = {
-        "shape": list(replayed.shape), "dtype": str(replayed.dtype),
+        "shape": list(replayed.shape),
+        "dtype": str(replayed.dtype),
         "vs_reference": _max_diff(replayed, reference),
         "zero_off_loss": bool((replayed[~loss[:, 1:]] == 0).all()),
         "ordinary_minus_rollout_min": float((ordinary.double() - roll)[supported].abs().min()),
@@ -323,10 +345,12 @@ def _tensor_parallel(rank: int) -> tuple[dict, dict]:
     ce = -vocab_parallel_cross_entropy(logits_u.detach().clone() / TEMPERATURE, sampled)  # [B, A]
     by_hand = torch.zeros(B, S - 1)
     for b, n in enumerate(LENGTHS):
-        by_hand[b, S - n: S - 1] = ce[b, : n - 1]
-    out["replay_off"] = {"vs_megatron": _max_diff(ordinary, by_hand),
-                         "vs_reference": _max_diff(ordinary, _reference(rows_u, ids, attention, support, loss, replay=False)),
-                         "logits_untouched": _max_diff(_gather_vocab(logits_u), full_u)}
+        by_hand[b, S - n : S - 1] = ce[b, : n - 1]
+    out["replay_off"] = {
+        "vs_megatron": _max_diff(ordinary, by_hand),
+        "vs_reference": _max_diff(ordinary, _reference(rows_u, ids, attention, support, loss, replay=False)),
+        "logits_untouched": _max_diff(_gather_vocab(logits_u), full_u),
+    }
 
     # 4. fused (hidden + weight shard) == explicit, values and gradients; num_actions
     weight = model.output_layer.weight
@@ -343,7 +367,9 @@ def _tensor_parallel(rank: int) -> tuple[dict, dict]:
     if "output_processor" in inspect.signature(model.forward).parameters:
         x = layout_u.align(ids, 0)
         pos = torch.arange(x.shape[1]).expand_as(x).contiguous()
-        hidden = model(x, pos, harness.causal_mask(x.shape[1]), output_processor=lambda *, hidden_states, **_: hidden_states)
+        hidden = model(
+            x, pos, harness.causal_mask(x.shape[1]), output_processor=lambda *, hidden_states, **_: hidden_states
+        )
         via = replay_response_logprobs(hidden, ids, layout_u, output_weight=weight, **kw)
         out["fused"]["output_processor"] = [list(hidden.shape), _max_diff(via, replayed)]
     actions = replay_response_logprobs(logits_u, ids, layout_u, num_actions=7, **kw)
@@ -356,20 +382,25 @@ def _tensor_parallel(rank: int) -> tuple[dict, dict]:
     hook.remove()
     full_p = _gather_vocab(logits_p)
     cu = layout_p.cu_seqlens_padded.tolist()
-    rows_p = [full_p[0, cu[b]: cu[b] + n] for b, n in enumerate(LENGTHS)]
+    rows_p = [full_p[0, cu[b] : cu[b] + n] for b, n in enumerate(LENGTHS)]
     packed = replay_response_logprobs(logits_p, ids, layout_p, **kw)
     packed_off = replay_response_logprobs(logits_p, ids, layout_p, temperature=TEMPERATURE)
     fused_p = replay_response_logprobs(h_p, ids, layout_p, output_weight=weight, **kw)
-    out["packed"] = {"logits_shape": list(logits_p.shape),
-                     "vs_reference": _max_diff(packed, _reference(rows_p, ids, attention, support, loss, replay=True)),
-                     "vs_unpacked": _max_diff(packed, replayed), "off_vs_unpacked_off": _max_diff(packed_off, ordinary),
-                     "fused_vs_logits": _max_diff(fused_p, packed)}
+    out["packed"] = {
+        "logits_shape": list(logits_p.shape),
+        "vs_reference": _max_diff(packed, _reference(rows_p, ids, attention, support, loss, replay=True)),
+        "vs_unpacked": _max_diff(packed, replayed),
+        "off_vs_unpacked_off": _max_diff(packed_off, ordinary),
+        "fused_vs_logits": _max_diff(fused_p, packed),
+    }
 
     # 6. sequence parallelism: the output layer's input is [A / tp, B, H]; the fused path gathers it
     import cpu_shims
 
     cpu_shims.allow_sequence_parallel_norm()
-    sp_model = harness.build_model(harness.dense_config(tensor_model_parallel_size=2, sequence_parallel=True), vocab_size=V)
+    sp_model = harness.build_model(
+        harness.dense_config(tensor_model_parallel_size=2, sequence_parallel=True), vocab_size=V
+    )
     sp_box, sp_hook = _capture_hidden(sp_model)
     sp_logits = harness.forward(sp_model, ids, layout_u)
     sp_hook.remove()
@@ -377,14 +408,27 @@ def _tensor_parallel(rank: int) -> tuple[dict, dict]:
     sp = _fused_vs_explicit(sp_box["h"], sp_model.output_layer.weight, sp_call, upstream)
     out["sequence_parallel"] = {k: v for k, v in sp.items() if k not in ("out", "explicit_hidden_grad", "upstream")}
     out["sequence_parallel"]["hidden_shape"] = list(sp_box["h"].shape)
-    out["sequence_parallel"]["vs_logits_path"] = _max_diff(sp["out"], replay_response_logprobs(sp_logits, ids, layout_u, **kw))
+    out["sequence_parallel"]["vs_logits_path"] = _max_diff(
+        sp["out"], replay_response_logprobs(sp_logits, ids, layout_u, **kw)
+    )
 
     # what the CP phase needs: unsharded packed logits / hidden / weight and the TP results
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     full_weight = gather_from_tensor_model_parallel_region(weight.detach().t().contiguous()).t().contiguous()  # [V, H]
-    keep = dict(ids=ids, attention=attention, loss=loss, support=support, layout_p=layout_p, full_p=full_p, h_p=h_p,
-                weight=full_weight, packed=packed.detach(), packed_off=packed_off.detach(), upstream=upstream)
+    keep = dict(
+        ids=ids,
+        attention=attention,
+        loss=loss,
+        support=support,
+        layout_p=layout_p,
+        full_p=full_p,
+        h_p=h_p,
+        weight=full_weight,
+        packed=packed.detach(),
+        packed_off=packed_off.detach(),
+        upstream=upstream,
+    )
     return out, keep
 
 
@@ -408,9 +452,13 @@ def _context_parallel(rank: int, keep: dict) -> dict:
     # the unsharded gradient, from the core function on the full packed logits
     full = keep["full_p"].clone().requires_grad_()
     values = core.replay_logprobs(
-        full, layout_p.align(ids, 0, next_token=True), layout_p.align(support, -1, next_token=True),
+        full,
+        layout_p.align(ids, 0, next_token=True),
+        layout_p.align(support, -1, next_token=True),
         layout_p.align(loss, False, next_token=True),
-        layout_p.align(torch.arange(B).unsqueeze(1).expand(B, S), -1, next_token=True), B, temperature=TEMPERATURE,
+        layout_p.align(torch.arange(B).unsqueeze(1).expand(B, S), -1, next_token=True),
+        B,
+        temperature=TEMPERATURE,
     ).logprobs
     (layout_p.restore(values, 0.0) * keep["upstream"]).sum().backward()
 
@@ -424,10 +472,14 @@ def _context_parallel(rank: int, keep: dict) -> dict:
     except Exception as exc:  # noqa: BLE001
         refused = f"{type(exc).__name__}: {exc}"
     return {
-        "local_shape": list(local.shape), "vs_tp_packed": _max_diff(sharded, keep["packed"]),
-        "grad": _max_diff(local.grad, _cp_shard(full.grad, layout_p)), "grad_norm": float(local.grad.norm()),
-        "fused_vs_tp_packed": _max_diff(fused, keep["packed"]), "off_vs_tp_packed_off": _max_diff(off, keep["packed_off"]),
-        "collectives": counts, "wrong_rank": refused,
+        "local_shape": list(local.shape),
+        "vs_tp_packed": _max_diff(sharded, keep["packed"]),
+        "grad": _max_diff(local.grad, _cp_shard(full.grad, layout_p)),
+        "grad_norm": float(local.grad.norm()),
+        "fused_vs_tp_packed": _max_diff(fused, keep["packed"]),
+        "off_vs_tp_packed_off": _max_diff(off, keep["packed_off"]),
+        "collectives": counts,
+        "wrong_rank": refused,
     }
 
 
@@ -445,7 +497,7 @@ def test_support_replay_tensor_and_context_parallel():
     native = Version(importlib.metadata.version("megatron-core")) >= Version("0.19.0")
     ranks = harness.run_ranks(scenario_ranks, 2, parallel={"tp": 2})
     tol = 2e-5
-    for rank, res in enumerate(ranks):
+    for _rank, res in enumerate(ranks):
         tp = res["tp"]
         assert tp["output_layer"] == "ColumnParallelLinear"
         assert tp["logits_shape"] == [B, S, V // 2]  # batch-first [b, s, V/tp], as GPTModel returns them
@@ -487,7 +539,9 @@ def test_support_replay_tensor_and_context_parallel():
 
         sp = tp["sequence_parallel"]
         assert sp["hidden_shape"] == [S // 2, B, H]
-        assert sp["value"] < tol and sp["hidden_grad"] < tol and sp["weight_grad"] < tol and sp["vs_logits_path"] < tol, sp
+        assert (
+            sp["value"] < tol and sp["hidden_grad"] < tol and sp["weight_grad"] < tol and sp["vs_logits_path"] < tol
+        ), sp
 
         cp = res["cp"]
         assert cp["local_shape"] == [1, packed["logits_shape"][1] // 2, V]
@@ -496,7 +550,9 @@ def test_support_replay_tensor_and_context_parallel():
         assert cp["collectives"] == {"all_reduce": 0, "all_gather": 1}  # TP = 1 here: the CP gather only
         assert cp["wrong_rank"] is not None and "context-parallel rank" in cp["wrong_rank"], cp
     # the hidden-state gradient is all-reduced over the vocabulary shards: the same on both ranks
-    assert ranks[0]["tp"]["fused"]["hidden_grad_sum"] == pytest.approx(ranks[1]["tp"]["fused"]["hidden_grad_sum"], rel=1e-5)
+    assert ranks[0]["tp"]["fused"]["hidden_grad_sum"] == pytest.approx(
+        ranks[1]["tp"]["fused"]["hidden_grad_sum"], rel=1e-5
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -524,8 +580,13 @@ def scenario_refusals() -> dict:
         try:
             replay_response_logprobs(**args)
         except (ReplayDataError, ReplayTypeError) as exc:
-            return {"type": type(exc).__name__, "field": exc.field, "trajectory": exc.trajectory, "token": exc.token,
-                    "message": str(exc)}
+            return {
+                "type": type(exc).__name__,
+                "field": exc.field,
+                "trajectory": exc.trajectory,
+                "token": exc.token,
+                "message": str(exc),
+            }
         return None
 
     two_eos = support.copy()
@@ -533,7 +594,8 @@ def scenario_refusals() -> dict:
     first_token = loss.clone()
     first_token[0, 0] = True
     return {
-        "ok": replay_response_logprobs(logits, ids, layout, support_ids=support, loss_mask=loss, width=K).shape[1] == S - 1,
+        "ok": replay_response_logprobs(logits, ids, layout, support_ids=support, loss_mask=loss, width=K).shape[1]
+        == S - 1,
         "no_loss_mask": refusal(loss_mask=None),
         "width": refusal(width=K + 1),
         "controller_packed": refusal(sub_sequence_lengths=[[12], [4, 5], [7]]),

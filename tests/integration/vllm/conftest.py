@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -73,7 +73,7 @@ class OfflineEngine:
     """The session's ``LLM`` (created lazily, shut down before the server starts)."""
 
     llm: Any = None
-    status_dir: Optional[str] = None
+    status_dir: str | None = None
 
     @classmethod
     def shutdown(cls) -> None:
@@ -103,8 +103,13 @@ def llm(tie_model, tmp_path_factory):
     from vllm import LLM
 
     OfflineEngine.llm = LLM(
-        model=tie_model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
-        max_logprobs=MAX_LOGPROBS, enable_return_routed_experts=routes_supported(), seed=0,
+        model=tie_model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        max_logprobs=MAX_LOGPROBS,
+        enable_return_routed_experts=routes_supported(),
+        seed=0,
         max_num_seqs=32,
     )
     OfflineEngine.status_dir = status_dir
@@ -134,8 +139,9 @@ class Server:
         self.log_path = log_path
 
     def post(self, path: str, body: dict, timeout: float = 60) -> tuple[int, dict, bytes]:
-        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -164,22 +170,44 @@ def server(tie_model, tmp_path_factory):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
     env.pop("PYTHONPATH", None)
-    env.update(REPLAY_PLUGIN_STATUS_DIR=status_dir, REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS="opt-in",
-               VLLM_CPU_KVCACHE_SPACE="1")
+    env.update(
+        REPLAY_PLUGIN_STATUS_DIR=status_dir,
+        REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS="opt-in",
+        VLLM_CPU_KVCACHE_SPACE="1",
+    )
     # `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for the distribution
     # "vllm", which the vllm-cpu repack does not provide (PackageNotFoundError); the API server
     # module runs the same server (and creates the engine configuration before it imports the
     # engine: the case the sample_support patch arms on vllm.engine.arg_utils for).
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tie_model, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-logprobs", str(MAX_LOGPROBS), "--seed", "0", "--chat-template", str(template),
-            "--max-num-seqs", "16"]
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tie_model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-logprobs",
+        str(MAX_LOGPROBS),
+        "--seed",
+        "0",
+        "--chat-template",
+        str(template),
+        "--max-num-seqs",
+        "16",
+    ]
     if routes_supported():
         args.append("--enable-return-routed-experts")
     log_path = str(tmp / "server.log")
     log = open(log_path, "w")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp),
-                            start_new_session=True)
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp), start_new_session=True)
     srv = Server(f"http://127.0.0.1:{port}", proc, status_dir, log_path)
     deadline = time.monotonic() + ENGINE_START_TIMEOUT
     try:

@@ -12,7 +12,6 @@ import warnings
 
 import numpy as np
 import pytest
-
 from conftest import need
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,10 +78,12 @@ def test_rows_from_real_logprobs_lists_with_changing_batch_width():
     from replay_plugin.vllm.sample_support import _rows_from_arrays
 
     inf = -np.inf
-    step1 = LogprobsLists(np.array([[4, 4, 9, 2, 3]], np.int32),
-                          np.array([[-0.7, -0.7, -0.9, -2.0, inf]], np.float32), np.array([1]))
-    step2 = LogprobsLists(np.array([[9, 9, 1, 5]], np.int32), np.array([[-0.5, -0.5, -2.5, -3.0]], np.float32),
-                          np.array([1]))
+    step1 = LogprobsLists(
+        np.array([[4, 4, 9, 2, 3]], np.int32), np.array([[-0.7, -0.7, -0.9, -2.0, inf]], np.float32), np.array([1])
+    )
+    step2 = LogprobsLists(
+        np.array([[9, 9, 1, 5]], np.int32), np.array([[-0.5, -0.5, -2.5, -3.0]], np.float32), np.array([1])
+    )
     rows = _rows_from_arrays([step1[0], step2[0]], [step1[1], step2[1]], width=4)
     assert rows.ids.tolist() == [[4, 9, 2, -1], [9, 1, 5, -1]]
     # Step 1 saw -inf: closed, exact. Step 2 saw three finite entries and no -inf: its mass
@@ -96,16 +97,22 @@ def test_plan_request_on_real_sampling_params(monkeypatch):
     from replay_plugin.vllm.sample_support import SampleSupportRefused, plan_request
 
     def engine(mode="processed_logprobs", max_logprobs=128, vocab=40, native=False):
-        model = types.SimpleNamespace(logprobs_mode=mode, max_logprobs=max_logprobs, logits_processors=None,
-                                      get_vocab_size=lambda: vocab, return_sampling_mask=native)
+        model = types.SimpleNamespace(
+            logprobs_mode=mode,
+            max_logprobs=max_logprobs,
+            logits_processors=None,
+            get_vocab_size=lambda: vocab,
+            return_sampling_mask=native,
+        )
         return types.SimpleNamespace(model_config=model, speculative_config=None)
 
     opt = {"replay_sample_support": True}
     assert plan_request(SamplingParams(top_k=5), engine()) is None  # not opted in
     plan = plan_request(SamplingParams(top_k=5, extra_args=opt), engine())
     assert plan == {"width": 21, "user_logprobs": None, "internal_logprobs": 21, "native": False}
-    plan = plan_request(SamplingParams(top_k=5, logprobs=30, extra_args={**opt, "replay_sample_support_slack": "2"}),
-                        engine())
+    plan = plan_request(
+        SamplingParams(top_k=5, logprobs=30, extra_args={**opt, "replay_sample_support_slack": "2"}), engine()
+    )
     assert (plan["width"], plan["user_logprobs"], plan["internal_logprobs"]) == (7, 30, 30)
     assert plan_request(SamplingParams(top_k=35, extra_args=opt), engine())["width"] == 40  # capped at the vocab
     assert plan_request(SamplingParams(top_k=5, logprobs=-1, extra_args=opt), engine())["internal_logprobs"] == -1
@@ -120,8 +127,11 @@ def test_plan_request_on_real_sampling_params(monkeypatch):
         (SamplingParams(top_k=5, extra_args=opt), engine(mode="raw_logprobs"), "logprobs_mode"),
         (SamplingParams(top_k=5, extra_args=opt), engine(max_logprobs=20), "max_logprobs"),
         (SamplingParams(top_k=5, extra_args={"replay_sample_support": "maybe"}), engine(), "replay_sample_support"),
-        (SamplingParams(top_k=5, extra_args={**opt, "replay_sample_support_slack": -1}), engine(),
-         "replay_sample_support_slack"),
+        (
+            SamplingParams(top_k=5, extra_args={**opt, "replay_sample_support_slack": -1}),
+            engine(),
+            "replay_sample_support_slack",
+        ),
     ]
     from vllm.exceptions import VLLMValidationError
 
@@ -188,8 +198,15 @@ def _routes_outputs():
     from vllm.outputs import CompletionOutput, RequestOutput
 
     def out(tokens, routes, finished):
-        c = CompletionOutput(index=0, text="", token_ids=tokens, cumulative_logprob=None, logprobs=None,
-                             routed_experts=routes, finish_reason="length" if finished else None)
+        c = CompletionOutput(
+            index=0,
+            text="",
+            token_ids=tokens,
+            cumulative_logprob=None,
+            logprobs=None,
+            routed_experts=routes,
+            finish_reason="length" if finished else None,
+        )
         return RequestOutput("r", None, [1, 2], None, [c], finished)
 
     routes = np.arange(12, dtype=np.uint8).reshape(3, 2, 2)
@@ -199,10 +216,10 @@ def _routes_outputs():
 def test_routes_survive_a_delta_merge():
     """AsyncLLM merges DELTA outputs a slow consumer did not collect; vLLM 0.30 drops the
     routes of the final one there (0.32 fixed RequestOutput.add)."""
-    import replay_plugin
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
+    import replay_plugin
     from replay_plugin.vllm.routed_experts import merge_drops_routes
 
     def merged():
@@ -236,8 +253,9 @@ def _completion_response():
     from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
     choice = CompletionResponseChoice(index=0, text="hi", token_ids=[4, 9], routed_experts="bnB5")
-    return CompletionResponse(model="m", choices=[choice], usage=UsageInfo(prompt_tokens=1, total_tokens=3,
-                                                                           completion_tokens=2))
+    return CompletionResponse(
+        model="m", choices=[choice], usage=UsageInfo(prompt_tokens=1, total_tokens=3, completion_tokens=2)
+    )
 
 
 def test_served_choice_documents_round_trip():
@@ -248,13 +266,29 @@ def test_served_choice_documents_round_trip():
     from replay_plugin.vllm.client import decode_choice, decode_routes
     from replay_plugin.vllm.openai_fields import decorate
 
-    plain = CompletionOutput(index=0, text="hi", token_ids=[4, 9], cumulative_logprob=None, logprobs=None,
-                             routed_experts=np.zeros((3, 2, 2), np.uint8))
+    plain = CompletionOutput(
+        index=0,
+        text="hi",
+        token_ids=[4, 9],
+        cumulative_logprob=None,
+        logprobs=None,
+        routed_experts=np.zeros((3, 2, 2), np.uint8),
+    )
     assert decorate(response, [plain], routes_wanted=False) is response  # not opted in: untouched
-    rows = SupportRows(np.array([[4, 5, -1], [9, -1, -1]], np.int32), np.array([4, 9], np.int32),
-                       np.array([-0.3, 0.0], np.float32), np.array([True, True]))
-    opted = CompletionOutput(index=0, text="hi", token_ids=[4, 9], cumulative_logprob=None, logprobs=None,
-                             routed_experts=np.arange(12, dtype=np.uint16).reshape(3, 2, 2))
+    rows = SupportRows(
+        np.array([[4, 5, -1], [9, -1, -1]], np.int32),
+        np.array([4, 9], np.int32),
+        np.array([-0.3, 0.0], np.float32),
+        np.array([True, True]),
+    )
+    opted = CompletionOutput(
+        index=0,
+        text="hi",
+        token_ids=[4, 9],
+        cumulative_logprob=None,
+        logprobs=None,
+        routed_experts=np.arange(12, dtype=np.uint16).reshape(3, 2, 2),
+    )
     opted.sample_support = rows
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # pydantic must not warn about the routes field's type

@@ -18,7 +18,6 @@ import pickle
 
 import numpy as np
 import pytest
-
 from conftest import MAX_LOGPROBS, OfflineEngine, need, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
@@ -72,7 +71,7 @@ def _oracle(llm, **kw):
     """Full-width processed logprobs of the same requests: per output, per position
     ``{id: logprob}`` of every vocabulary id (no detokenisation: it would take seconds)."""
     outs = _generate(llm, _params(logprobs=-1, flat_logprobs=True, detokenize=False, **kw))
-    return outs, [[dict(zip(i[1:].tolist(), l[1:].tolist())) for i, l in _flat_rows(o.logprobs)] for o in outs]
+    return outs, [[dict(zip(i[1:].tolist(), lp[1:].tolist())) for i, lp in _flat_rows(o.logprobs)] for o in outs]
 
 
 def _support(position: dict) -> set:
@@ -85,9 +84,9 @@ def _support(position: dict) -> set:
 def test_engine_fitted_only_for_jobs_that_opt_in(tie_model, monkeypatch, caplog):
     """No engine is started: EngineArgs.create_engine_config is what the patch changes."""
     need("vllm")
-    import replay_plugin
     from vllm.engine.arg_utils import EngineArgs
 
+    import replay_plugin
     from replay_plugin import states
 
     replay_plugin.activate()
@@ -126,7 +125,7 @@ def test_stock_top_k_rows_miss_the_sampled_token_exact_rows_do_not(llm):
     assert all(support_of(o) is None for o in stock)  # stock: no support field at all
     rows = [r for o in stock for r in _flat_rows(o.logprobs)]
     missing = sum(int(ids[0]) not in ids[1:].tolist() for ids, _ in rows)
-    # The seeds' capture (logprobs=top_k rows) misses the drawn token whenever a tied 6th was drawn.
+    # Capturing with logprobs=top_k rows (an earlier design) misses the drawn token whenever a tied 6th was drawn.
     assert missing > 0, "expected the tie model to make top-k rows miss sampled tokens"
 
     patched = _generate(llm, _params(top_k=top_k, extra_args=OPT_IN))
@@ -141,8 +140,8 @@ def test_stock_top_k_rows_miss_the_sampled_token_exact_rows_do_not(llm):
 
 
 SETTINGS = [
-    dict(top_k=5),                         # tie at the k-th logit on every token
-    dict(top_k=6),                         # never a tie at the boundary
+    dict(top_k=5),  # tie at the k-th logit on every token
+    dict(top_k=6),  # never a tie at the boundary
     dict(top_k=5, top_p=0.8),
     dict(top_k=7, min_p=0.05),
     dict(top_k=4, temperature=0.7, top_p=0.9),
@@ -186,8 +185,9 @@ def test_renormalised_logprob_reproduces_vllms_sampled_logprob(llm):
     from replay_plugin.vllm import support_of
 
     temperature, top_k = 0.8, 5
-    results = llm.generate(PROMPTS[:4], _params(n=4, temperature=temperature, top_k=top_k, extra_args=OPT_IN),
-                           use_tqdm=False)
+    results = llm.generate(
+        PROMPTS[:4], _params(n=4, temperature=temperature, top_k=top_k, extra_args=OPT_IN), use_tqdm=False
+    )
     vocab = llm.llm_engine.model_config.get_vocab_size()
     worst, full_vocab_gap = 0.0, 0.0
     for res in results:
@@ -196,9 +196,11 @@ def test_renormalised_logprob_reproduces_vllms_sampled_logprob(llm):
         prompt, gen = list(res.prompt_token_ids), list(out.token_ids)
         # Raw log-softmax at every position of prompt + generated tokens (prompt logprobs are
         # never processed by the sampler).
-        scored = llm.generate({"prompt_token_ids": prompt + gen},
-                              SamplingParams(max_tokens=1, prompt_logprobs=-1, flat_logprobs=True, detokenize=False),
-                              use_tqdm=False)[0]
+        scored = llm.generate(
+            {"prompt_token_ids": prompt + gen},
+            SamplingParams(max_tokens=1, prompt_logprobs=-1, flat_logprobs=True, detokenize=False),
+            use_tqdm=False,
+        )[0]
         positions = _flat_rows(scored.prompt_logprobs)
         raw = np.full((len(gen), vocab), -np.inf)
         for j in range(len(gen)):
@@ -260,10 +262,15 @@ def _same_up_to_ties(a, b, oracle):
         assert (a.token_ids[s], a.logprobs[s], a.ranks[s]) == (b.token_ids[s], b.logprobs[s], b.ranks[s])
         assert a.logprobs[s:e] == b.logprobs[s:e] and a.ranks[s:e] == b.ranks[s:e]
         last = a.logprobs[e - 1]
-        above = lambda x: {t for t, lp in zip(x.token_ids[s + 1:e], x.logprobs[s + 1:e]) if lp > last}
+
+        def above(x, s=s, e=e, last=last):
+            return {t for t, lp in zip(x.token_ids[s + 1 : e], x.logprobs[s + 1 : e]) if lp > last}
+
         assert above(a) == above(b)
         for x in (a, b):
-            assert all(lp == pytest.approx(oracle[pos][t], abs=1e-6) for t, lp in zip(x.token_ids[s:e], x.logprobs[s:e]))
+            assert all(
+                lp == pytest.approx(oracle[pos][t], abs=1e-6) for t, lp in zip(x.token_ids[s:e], x.logprobs[s:e])
+            )
 
 
 def test_user_logprobs_come_back_as_requested(llm):
@@ -328,7 +335,10 @@ def test_refused_before_compute_naming_the_setting(llm):
 
     # An engine that was not fitted: refused with the engine setting and the knob that fits it.
     model_config = engine.input_processor.model_config  # the API server's copy; the engine is untouched
-    for attr, value, setting in (("logprobs_mode", "raw_logprobs", "logprobs_mode"), ("max_logprobs", 8, "max_logprobs")):
+    for attr, value, setting in (
+        ("logprobs_mode", "raw_logprobs", "logprobs_mode"),
+        ("max_logprobs", 8, "max_logprobs"),
+    ):
         saved = getattr(model_config, attr)
         setattr(model_config, attr, value)
         try:
@@ -445,24 +455,32 @@ def test_multi_turn_trace_with_prompt_starts_equals_full_recompute(routes):
     opt = {"replay_routed_experts": True}
     p1 = _tokens(llm, PROMPTS[0])
     trace = RoutedExpertTrace()
-    turn1 = llm.generate({"prompt_token_ids": p1}, SamplingParams(top_k=5, max_tokens=8, seed=1, extra_args=opt),
-                         use_tqdm=False)[0].outputs[0]
-    trace.record_generation(prompt_token_count=len(p1), generated_token_count=len(turn1.token_ids),
-                            routed_experts=turn1.routed_experts)
+    turn1 = llm.generate(
+        {"prompt_token_ids": p1}, SamplingParams(top_k=5, max_tokens=8, seed=1, extra_args=opt), use_tqdm=False
+    )[0].outputs[0]
+    trace.record_generation(
+        prompt_token_count=len(p1), generated_token_count=len(turn1.token_ids), routed_experts=turn1.routed_experts
+    )
     observation = _tokens(llm, " numbers 4 5")
     p2 = p1 + list(turn1.token_ids) + observation
     start = trace.prompt_start
-    turn2 = llm.generate({"prompt_token_ids": p2},
-                         SamplingParams(top_k=5, max_tokens=8, seed=2, extra_args=opt,
-                                        routed_experts_prompt_start=start), use_tqdm=False)[0].outputs[0]
+    turn2 = llm.generate(
+        {"prompt_token_ids": p2},
+        SamplingParams(top_k=5, max_tokens=8, seed=2, extra_args=opt, routed_experts_prompt_start=start),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert turn2.routed_experts.shape[0] == len(p2) - start + len(turn2.token_ids) - 1  # prompt start honoured
-    trace.record_generation(prompt_token_count=len(p2), generated_token_count=len(turn2.token_ids),
-                            routed_experts=turn2.routed_experts)
+    trace.record_generation(
+        prompt_token_count=len(p2), generated_token_count=len(turn2.token_ids), routed_experts=turn2.routed_experts
+    )
     full = p2 + list(turn2.token_ids)
     loss = [0] * len(p1) + [1] * len(turn1.token_ids) + [0] * len(observation) + [1] * len(turn2.token_ids)
     traced = trace.finalize(len(full), loss)
-    recompute = llm.generate({"prompt_token_ids": full}, SamplingParams(max_tokens=1, extra_args=opt),
-                             use_tqdm=False)[0].outputs[0].routed_experts
+    recompute = (
+        llm.generate({"prompt_token_ids": full}, SamplingParams(max_tokens=1, extra_args=opt), use_tqdm=False)[0]
+        .outputs[0]
+        .routed_experts
+    )
     captured = len(full) - 1
     assert traced.routes.shape == (len(full), 2, 2) and traced.router_padding_mask.sum() == 1
     assert np.array_equal(traced.routes[:captured], recompute[:captured])

@@ -15,7 +15,6 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import need, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,8 +24,15 @@ XARGS = {"replay_sample_support": 1}
 
 
 def _completion(server, **body):
-    body = {"model": server_model(server), "max_tokens": 12, "temperature": 1.0, "top_k": 5, "seed": 7,
-            "return_token_ids": True, **body}
+    body = {
+        "model": server_model(server),
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "top_k": 5,
+        "seed": 7,
+        "return_token_ids": True,
+        **body,
+    }
     return server.post("/v1/completions", body)
 
 
@@ -98,8 +104,15 @@ def test_user_logprobs_are_served_as_asked(server):
 def test_chat_choices_carry_wire_documents(server):
     from replay_plugin.vllm.client import decode_choice
 
-    body = {"model": server_model(server), "messages": [{"role": "user", "content": "what is two plus two?"}],
-            "max_tokens": 10, "temperature": 1.0, "top_k": 5, "seed": 3, "return_token_ids": True}
+    body = {
+        "model": server_model(server),
+        "messages": [{"role": "user", "content": "what is two plus two?"}],
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "top_k": 5,
+        "seed": 3,
+        "return_token_ids": True,
+    }
     code, plain, _ = server.post("/v1/chat/completions", body)
     assert code == 200, plain
     assert "sample_support" not in plain["choices"][0]
@@ -111,8 +124,11 @@ def test_chat_choices_carry_wire_documents(server):
 
 
 def test_refused_requests_name_the_setting(server):
-    for extra, setting in (({"temperature": 0.0}, "temperature"), ({"top_k": -1}, "top_k"),
-                           ({"repetition_penalty": 1.5}, "repetition_penalty")):
+    for extra, setting in (
+        ({"temperature": 0.0}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"repetition_penalty": 1.5}, "repetition_penalty"),
+    ):
         code, doc, _ = _completion(server, prompt=PROMPTS[:1], vllm_xargs=XARGS, **extra)
         assert code == 400, doc
         assert setting in json.dumps(doc)
@@ -132,8 +148,15 @@ def test_every_server_process_is_activated(server):
     for d in docs:
         proc = d["process"]
         name = proc.get("process_name") or ""
-        role = ("engine_core" if "EngineCore" in name else "worker" if "Worker" in name
-                else "api_server" if any("serve" in a for a in proc.get("argv") or []) else name)
+        role = (
+            "engine_core"
+            if "EngineCore" in name
+            else "worker"
+            if "Worker" in name
+            else "api_server"
+            if any("serve" in a for a in proc.get("argv") or [])
+            else name
+        )
         by_role[role] = {p["name"]: p["state"] for p in d["patches"]}
     assert {"api_server", "engine_core", "worker"} <= set(by_role), (by_role, server.log_tail(2000))
     api = by_role["api_server"]

@@ -138,7 +138,9 @@ def test_align_matches_reference_on_every_rank(case) -> None:
     pad = _pad(trail)
     mask_t = torch.tensor(mask)
     full = TokenMetadataLayout.build(mask_t, packed=packed, align=align).align(meta, pad, next_token=next_token)
-    expected_full = _stack(ref_align(mask, _as_lists(meta), pad, packed=packed, align=align, next_token=next_token), trail)
+    expected_full = _stack(
+        ref_align(mask, _as_lists(meta), pad, packed=packed, align=align, next_token=next_token), trail
+    )
     assert torch.equal(full, expected_full)
 
     shards = []

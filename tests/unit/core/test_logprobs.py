@@ -175,15 +175,20 @@ def test_half_inputs_are_computed_in_float32(dtype):
 def test_no_grad_and_empty_inputs():
     with torch.no_grad():
         out, valid = support_logprobs_from_hidden(
-            torch.randn(3, 4), torch.randn(10, 4), torch.tensor([1, 2, 3]),
+            torch.randn(3, 4),
+            torch.randn(10, 4),
+            torch.tensor([1, 2, 3]),
             torch.tensor([[1, 2], [2, -1], [-1, -1]], dtype=torch.int32),
         )
     assert valid.tolist() == [True, True, False] and out[1] == 0 and out[2] == 0
-    out, valid = support_logprobs(torch.randn(0, 5), torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.int32))
+    out, valid = support_logprobs(
+        torch.randn(0, 5), torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.int32)
+    )
     assert out.shape == (0,) and valid.shape == (0,)
     h = torch.randn(0, 4, requires_grad=True)
-    out, valid = support_logprobs_from_hidden(h, torch.randn(10, 4), torch.zeros(0, dtype=torch.long),
-                                              torch.zeros(0, 3, dtype=torch.int32))
+    out, valid = support_logprobs_from_hidden(
+        h, torch.randn(10, 4), torch.zeros(0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.int32)
+    )
     out.sum().backward()
     assert h.grad.shape == (0, 4)
 

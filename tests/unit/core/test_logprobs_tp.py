@@ -123,8 +123,16 @@ def _check_tp(rank, world):
             before = counter.calls
             if fused:
                 res = replay_logprobs(
-                    h, y, support, loss, traj, B, lm_head_weight=w_local, temperature=0.8,
-                    vocab_start=lo, tp_group=group,
+                    h,
+                    y,
+                    support,
+                    loss,
+                    traj,
+                    B,
+                    lm_head_weight=w_local,
+                    temperature=0.8,
+                    vocab_start=lo,
+                    tp_group=group,
                 )
             else:
                 res = replay_logprobs(

@@ -23,7 +23,8 @@ def _routes(tokens: int, layers: int = 3, topk: int = 2, high: int = 128, seed: 
 
 
 @pytest.mark.parametrize(
-    "high, dtype", [(1, np.uint8), (256, np.uint8), (257, np.int16), (2**15, np.int16), (2**15 + 1, np.int32), (2**31, np.int32)]
+    "high, dtype",
+    [(1, np.uint8), (256, np.uint8), (257, np.int16), (2**15, np.int16), (2**15 + 1, np.int32), (2**31, np.int32)],
 )
 def test_compact_picks_the_smallest_safe_dtype(high: int, dtype) -> None:
     a = _routes(5, high=high, seed=high)
@@ -165,7 +166,13 @@ def test_replay_data_from_a_read_only_array_without_warnings(recwarn) -> None:
 
 def test_layer_index_errors() -> None:
     r = _routes(2, layers=3)
-    for bad, match in [([3], "out of range"), ([-1], "out of range"), ([1, 1], "duplicates"), ([0.5], "ints"), ("01", "sequence")]:
+    for bad, match in [
+        ([3], "out of range"),
+        ([-1], "out of range"),
+        ([1, 1], "duplicates"),
+        ([0.5], "ints"),
+        ("01", "sequence"),
+    ]:
         with pytest.raises((ReplayDataError, ReplayTypeError), match=match) as info:
             routes.local_replay_data(r, bad)
         assert info.value.field == "layer_indices"

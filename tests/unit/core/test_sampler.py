@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -23,11 +23,11 @@ class FakeSamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict] = None
-    allowed_token_ids: Optional[list] = None
-    bad_words: Optional[list] = None
+    logit_bias: dict | None = None
+    allowed_token_ids: list | None = None
+    bad_words: list | None = None
     min_tokens: int = 0
-    seed: Optional[int] = None
+    seed: int | None = None
     structured_outputs: Any = None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -122,7 +122,7 @@ def test_exact_rows_are_the_sampler_support(top_k, top_p, min_p):
         assert row_set(rows.ids[i]) == true_support(lp)
         members = rows.ids[i][rows.ids[i] >= 0]
         assert np.all(np.diff(lp[members]) <= 0)
-        assert np.all(rows.ids[i][len(members):] == -1)
+        assert np.all(rows.ids[i][len(members) :] == -1)
     # numpy arrays and mappings give the same rows
     same = support_from_flat_logprobs(as_arrays(flat), top_k)
     for f in ("ids", "sampled", "sampled_logprob", "exact"):
@@ -207,8 +207,12 @@ def test_ragged_and_unordered_layouts_take_the_general_path():
 
 
 def test_non_finite_entries_make_rows_inexact():
-    flat = FakeFlatLogprobs([0, 3, 6], [3, 6, 9], [1, 1, 2, 1, 1, 2, 1, 1, 2],
-                            [-0.1, -0.1, float("nan"), -0.1, -0.1, NEG_INF, NEG_INF, -0.1, NEG_INF])
+    flat = FakeFlatLogprobs(
+        [0, 3, 6],
+        [3, 6, 9],
+        [1, 1, 2, 1, 1, 2, 1, 1, 2],
+        [-0.1, -0.1, float("nan"), -0.1, -0.1, NEG_INF, NEG_INF, -0.1, NEG_INF],
+    )
     rows = support_from_flat_logprobs(flat, 2)
     assert rows.ids.tolist() == [[1, -1], [1, -1], [1, -1]]
     assert rows.exact.tolist() == [False, True, False]  # NaN entry; ok; sampled logprob -inf
@@ -241,8 +245,12 @@ def test_empty_input_and_flat_errors():
     n=st.integers(1, 6),
     width=st.integers(1, 8),
     rows=st.lists(
-        st.tuples(st.integers(0, 30), st.lists(st.sampled_from([0.0, -0.5, -1.0, -2.0, -7.0, NEG_INF]), min_size=6, max_size=6)),
-        min_size=1, max_size=12,
+        st.tuples(
+            st.integers(0, 30),
+            st.lists(st.sampled_from([0.0, -0.5, -1.0, -2.0, -7.0, NEG_INF]), min_size=6, max_size=6),
+        ),
+        min_size=1,
+        max_size=12,
     ),
 )
 def test_capture_contract_holds_for_arbitrary_flat_data(n, width, rows):
@@ -256,7 +264,7 @@ def test_capture_contract_holds_for_arbitrary_flat_data(n, width, rows):
         flat.end_indices.append(len(flat.token_ids))
     out = support_from_flat_logprobs(flat, width)
     SupportRows(out.ids, out.sampled, out.sampled_logprob, out.exact)  # passes validation
-    for i, (sampled, lps) in enumerate(rows):
+    for i, (sampled, _lps) in enumerate(rows):
         members = [x for x in out.ids[i] if x >= 0]
         assert all(x in flat.token_ids[flat.start_indices[i] + 1 : flat.end_indices[i]] for x in members)
         if out.exact[i]:
@@ -275,7 +283,7 @@ class FakeSamplingMaskLists(NamedTuple):
     """Like ``vllm.v1.outputs.SamplingMaskLists``: a NamedTuple (CSR ids + offsets)."""
 
     token_ids: np.ndarray
-    offsets: Optional[np.ndarray] = None
+    offsets: np.ndarray | None = None
 
 
 def test_sampling_mask_rows_put_the_sampled_token_first():
@@ -331,7 +339,9 @@ def test_support_rows_validation():
     with pytest.raises(ReplayTypeError):
         SupportRows([[1]], [1], [0.0], [1])
     both = SupportRows.concat([ok, SupportRows.empty(2, 3)])
-    assert len(both) == 3 and both.ids[1:].tolist() == [[-1, -1, -1]] * 2 and both.exact.tolist() == [True, False, False]
+    assert (
+        len(both) == 3 and both.ids[1:].tolist() == [[-1, -1, -1]] * 2 and both.exact.tolist() == [True, False, False]
+    )
 
 
 # --------------------------------------------------------------------------- dense batch
@@ -359,15 +369,15 @@ def test_dense_batch_layout_and_synthetic_eos(caplog):
     assert out.num_inexact == 0
 
 
-SEEDS_ROWS = [  # the seeds' repair examples: [sampled | top-k] -> repaired row
+REPAIR_ROWS = [  # an earlier design's repair of top-k rows: [sampled | top-k] -> repaired row
     ([100], [[8, 9, 10]], [[8, 9, 100]]),
     ([5], [[6, 7, -1]], [[6, 5, -1]]),
     ([42], [[9]], [[42]]),
 ]
 
 
-@pytest.mark.parametrize("sampled,ids,repaired", SEEDS_ROWS)
-def test_repair_policy_matches_the_seeds(sampled, ids, repaired, caplog):
+@pytest.mark.parametrize("sampled,ids,repaired", REPAIR_ROWS)
+def test_repair_policy_matches_the_earlier_design(sampled, ids, repaired, caplog):
     rows = rows_of(ids, sampled, [False])
     with caplog.at_level(logging.WARNING, logger="replay_plugin.core.support"):
         out = dense_support_batch([rows], [sampled], [[1]], 1, EOS)
@@ -411,20 +421,48 @@ VALIDATION_CASES = [
     # (name, rows, responses, loss masks, field, trajectory, token)
     ("row count", [GOOD, rows_of([[1, 3]], [1], [True])], [[1, 4], [1, 4]], [[1, 1], [1, 1]], "support", 1, None),
     ("width", [GOOD, rows_of([[1, 3, 5]], [1], [True])], [[1, 4], [1]], [[1, 1], [1]], "support", 1, None),
-    ("id range", [GOOD, rows_of([[1, 3], [4, 50]], [1, 4], [True, True])], [[1, 4], [1, 4]], [[1, 1], [1, 1]], "support", 1, 1),
+    (
+        "id range",
+        [GOOD, rows_of([[1, 3], [4, 50]], [1, 4], [True, True])],
+        [[1, 4], [1, 4]],
+        [[1, 1], [1, 1]],
+        "support",
+        1,
+        1,
+    ),
     ("response range", [GOOD, GOOD], [[1, 4], [1, 40]], [[1, 1], [1, 1]], "response_ids", 1, 1),
     ("padding", [GOOD, np.array([[1, 3], [-1, 4]])], [[1, 4], [1, 4]], [[1, 1], [1, 1]], "support", 1, 1),
     ("duplicate", [GOOD, np.array([[1, 3], [4, 4]])], [[1, 4], [1, 4]], [[1, 1], [1, 1]], "support", 1, 1),
     ("sampled mismatch", [GOOD, GOOD], [[1, 4], [1, 3]], [[1, 1], [1, 1]], "sampled", 1, 1),
-    ("exact without sampled", [GOOD, corrupt_exact()], [[1, 4], [1, 4]],
-     [[1, 1], [1, 1]], "exact", 1, 1),
-    ("non-eos empty", [GOOD, rows_of([[1, 3], [-1, -1]], [1, -1], [True, False])], [[1, 4], [1, 4]],
-     [[1, 1], [1, 1]], "support", 1, 1),
-    ("two empties", [GOOD, rows_of([[-1, -1], [-1, -1]], [-1, -1], [False, False])], [[1, 4], [EOS, EOS]],
-     [[1, 1], [1, 1]], "support", 1, 1),
+    ("exact without sampled", [GOOD, corrupt_exact()], [[1, 4], [1, 4]], [[1, 1], [1, 1]], "exact", 1, 1),
+    (
+        "non-eos empty",
+        [GOOD, rows_of([[1, 3], [-1, -1]], [1, -1], [True, False])],
+        [[1, 4], [1, 4]],
+        [[1, 1], [1, 1]],
+        "support",
+        1,
+        1,
+    ),
+    (
+        "two empties",
+        [GOOD, rows_of([[-1, -1], [-1, -1]], [-1, -1], [False, False])],
+        [[1, 4], [EOS, EOS]],
+        [[1, 1], [1, 1]],
+        "support",
+        1,
+        1,
+    ),
     ("loss mask length", [GOOD, GOOD], [[1, 4], [1, 4]], [[1, 1], [1]], "loss_mask", 1, None),
-    ("too long", [GOOD, rows_of([[1, 3]] * 4, [1] * 4, [True] * 4)], [[1, 4], [1] * 4], [[1, 1], [1] * 4],
-     "response_ids", 1, None),
+    (
+        "too long",
+        [GOOD, rows_of([[1, 3]] * 4, [1] * 4, [True] * 4)],
+        [[1, 4], [1] * 4],
+        [[1, 1], [1] * 4],
+        "response_ids",
+        1,
+        None,
+    ),
 ]
 
 

@@ -105,18 +105,24 @@ def test_multi_turn_accumulation_equals_single_shot(conversation, seed) -> None:
         start = trace.prompt_start
         # The engine routes prompt[start:] + generated[:-1].
         trace.record_generation(
-            prompt_token_count=prompt, generated_token_count=generated, routed_experts=truth[start : prompt + generated - 1]
+            prompt_token_count=prompt,
+            generated_token_count=generated,
+            routed_experts=truth[start : prompt + generated - 1],
         )
         history = prompt + generated
         assert trace.prompt_start == history - 1
     token_count = history
     single = RoutedExpertTrace()
-    single.record_generation(prompt_token_count=token_count - 1, generated_token_count=1, routed_experts=truth[: token_count - 1])
+    single.record_generation(
+        prompt_token_count=token_count - 1, generated_token_count=1, routed_experts=truth[: token_count - 1]
+    )
     loss = np.zeros(token_count, dtype=bool)
     loss[first_prompt:] = True  # every response token is loss-bearing: all sources captured
     multi = trace.finalize(token_count, loss)
     one = single.finalize(token_count, loss)
-    assert np.array_equal(multi.routes, one.routes) and np.array_equal(multi.router_padding_mask, one.router_padding_mask)
+    assert np.array_equal(multi.routes, one.routes) and np.array_equal(
+        multi.router_padding_mask, one.router_padding_mask
+    )
     assert np.array_equal(multi.routes[: token_count - 1], truth[: token_count - 1])
     assert multi.router_padding_mask.tolist() == [False] * (token_count - 1) + [True]
 
@@ -191,9 +197,13 @@ def test_routed_expert_trace_misuse() -> None:
     with pytest.raises(ReplayDataError, match="already routed"):
         trace.record_generation(prompt_token_count=3, generated_token_count=1, routed_experts=_truth(0))
     with pytest.raises(ReplayDataError, match="row shape"):
-        trace.record_generation(prompt_token_count=6, generated_token_count=1, routed_experts=np.zeros((2, L + 1, K), np.uint8))
+        trace.record_generation(
+            prompt_token_count=6, generated_token_count=1, routed_experts=np.zeros((2, L + 1, K), np.uint8)
+        )
     with pytest.raises(ReplayDataError, match="negative"):
-        trace.record_generation(prompt_token_count=6, generated_token_count=1, routed_experts=-np.ones((2, L, K), np.int64))
+        trace.record_generation(
+            prompt_token_count=6, generated_token_count=1, routed_experts=-np.ones((2, L, K), np.int64)
+        )
     with pytest.raises(ReplayDataError, match="loss_mask"):
         trace.finalize(6, [0, 0, 0, 1, 1])
     with pytest.raises(ReplayDataError, match="value 2") as info:

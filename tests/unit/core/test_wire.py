@@ -109,10 +109,14 @@ def test_wire_does_not_import_torch() -> None:
 
 def test_dumps_is_orjson_with_envelopes() -> None:
     a = np.arange(12, dtype=np.uint8).reshape(3, 4)
-    doc = {"choices": [{"ids": [1, 2], "routed_experts": a, "n": np.int64(3), "f": np.float32(0.5), "b": np.bool_(True)}]}
+    doc = {
+        "choices": [{"ids": [1, 2], "routed_experts": a, "n": np.int64(3), "f": np.float32(0.5), "b": np.bool_(True)}]
+    }
     expected = {"choices": [{"ids": [1, 2], "routed_experts": wire.encode_array(a), "n": 3, "f": 0.5, "b": True}]}
     assert wire.dumps(doc) == orjson.dumps(expected)
-    assert wire.dumps([a, a[:0], a]) == orjson.dumps([wire.encode_array(a), wire.encode_array(a[:0]), wire.encode_array(a)])
+    assert wire.dumps([a, a[:0], a]) == orjson.dumps(
+        [wire.encode_array(a), wire.encode_array(a[:0]), wire.encode_array(a)]
+    )
     assert wire.dumps({"no": "arrays"}) == b'{"no":"arrays"}'
 
 
@@ -129,13 +133,13 @@ def test_dumps_rejects_what_it_cannot_carry() -> None:
 
 TRICKY_DOCS = [
     {"data": "not an envelope", "shape": 3},
-    {"x": {"data": "a \\\" quote", "k": 1}},
+    {"x": {"data": 'a \\" quote', "k": 1}},
     {"s": 'a string holding {"data":"AAAA","shape":[3],"dtype":"uint8"} text', "data": "x"},
     [{"data": ""}, {"data": "é ü"}, {"shape": [1], "dtype": "uint8", "data": "AQ=="}],
     {"data": {"data": "AQI=", "shape": [2], "dtype": "uint8"}},
     {"nested": [[[{"data": "AQIDBA==", "shape": [2, 2], "dtype": "uint8"}]]]},
     {"data": "AQ=="},
-    {"k\"data": "v", "data\"": "w"},
+    {'k"data': "v", 'data"': "w"},
 ]
 
 
@@ -321,8 +325,20 @@ def _assert_loads_equals_plain(raw: bytes) -> str:
 
 # Strings that sit next to, around or inside "data" keys: escapes (the splice must fall back),
 # a quoted "data" key inside a string, non-ASCII text, base64 look-alikes.
-_TRICKY_STRINGS = ['a "quote"', "back\\slash", 'x","data":"AQ==', '{"data":"AQ==","shape":[1],"dtype":"uint8"}',
-                   "é ü 日本", "AQ==", "", "data", "\\u0041QI=", "tab\there", "new\nline", "/"]
+_TRICKY_STRINGS = [
+    'a "quote"',
+    "back\\slash",
+    'x","data":"AQ==',
+    '{"data":"AQ==","shape":[1],"dtype":"uint8"}',
+    "é ü 日本",
+    "AQ==",
+    "",
+    "data",
+    "\\u0041QI=",
+    "tab\there",
+    "new\nline",
+    "/",
+]
 
 
 def _documents(rng: random.Random, env: dict):
@@ -337,7 +353,7 @@ def _documents(rng: random.Random, env: dict):
         {"s": text, "data": text, "t": {"data": text, "shape": [1]}},
         {"data": env},  # an envelope under a "data" key
         {"r": {"data": env.get("data"), "shape": env.get("shape")}},  # "data" of a non-envelope
-        {"k\"data": text, "data\"": text, "x": env},
+        {'k"data': text, 'data"': text, "x": env},
         [env, text, {"data": None}, {"data": 3}, {"data": [text]}],
         {"choices": [{"index": i, "routed_experts": env, "text": text} for i in range(rng.randrange(1, 4))]},
     ]
