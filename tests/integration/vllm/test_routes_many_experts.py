@@ -30,7 +30,7 @@ import json, os, sys
 import numpy as np
 
 import replay_plugin
-from replay_plugin import status
+from replay_plugin import states as plugin_states
 
 model, out_dir, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 NAME = "vllm.routed_experts"
@@ -59,12 +59,12 @@ def main():
             np.save(os.path.join(out_dir, f"{label}-{i}.npy"), out.routed_experts)
         return {"tokens": [len(p["prompt_token_ids"]) + len(o.token_ids) for p, o in zip(prompts, outs)]}
 
-    states["off"] = [os.environ.get(TOGGLE), status.get(NAME).state]
+    states["off"] = [os.environ.get(TOGGLE), plugin_states.get(NAME).state]
     info = {"off": generate("off")}
     replay_plugin.deactivate()
     del os.environ[TOGGLE]
     replay_plugin.activate()
-    states["on"] = [os.environ.get(TOGGLE), status.get(NAME).state]
+    states["on"] = [os.environ.get(TOGGLE), plugin_states.get(NAME).state]
     info["on"] = generate("on")
     print("REPORT" + json.dumps({"states": states, **info}), flush=True)
     llm.llm_engine.engine_core.shutdown()
