@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..patcher import Patcher
@@ -287,10 +287,22 @@ class _CountSnapshot:
 # the wrapper
 
 
+#: Callables ``check(model, forward_only)`` run before each top-level schedule; they raise to
+#: refuse it (the replay driver refuses combined 1F1B for models it replays on).
+_schedule_checks: list[Callable[[Any, bool], None]] = []
+
+
+def add_schedule_check(check: Callable[[Any, bool], None]) -> None:
+    if check not in _schedule_checks:
+        _schedule_checks.append(check)
+
+
 def _scope(wrapped, instance, args, kwargs):
     if _state.schedule is not None:  # a schedule inside a schedule: the outer one scopes
         return wrapped(*args, **kwargs)
     forward_only = bool(kwargs.get("forward_only", False))
+    for check in _schedule_checks:
+        check(kwargs.get("model"), forward_only)
     snapshot = _CountSnapshot(kwargs.get("model")) if forward_only else None
     replay_cls, _ = _classes()
     schedule = Schedule(forward_only, replay_cls.global_router_replay_instances)
