@@ -638,8 +638,10 @@ def _support_tp2(quick: bool) -> list[Result]:
         results.append(Result(BENCH, f"support TP=2 time, {labels[m]}", seconds[m] * 1e3, "ms", note=note))
         results.append(Result(BENCH, f"support TP=2 peak memory, {labels[m]}", peak[m] / 2**20, "MiB", note=mem_note))
     # Goals at full size only: the quick shapes measure fixed overheads.
-    time_goals = {"helper_logits": "<= 1.5", "helper_fused": "<= 1", "helper_off": "<= 1.5"}
-    memory_goals = {"helper_fused": "<= 0.5"}
+    # From logits: one dense gradient and nothing of the logits saved (issue 13: 1.32x peak
+    # memory before, from autograd's gather keeping its input and a second dense gradient).
+    time_goals = {"helper_logits": "<= 1", "helper_fused": "<= 1", "helper_off": "<= 1.5"}
+    memory_goals = {"helper_logits": "<= 1", "helper_fused": "<= 0.5"}
     for m in ("helper_logits", "helper_fused", "helper_off"):
         results.append(
             Result(

@@ -104,7 +104,9 @@ def _collect_routers(model: Any) -> tuple[list[_Router], Any]:
         if not hasattr(module, "router_replay") or not hasattr(module, "routing"):
             continue
         if getattr(module, "is_mtp_layer", False) or "mtp" in name.split("."):
-            continue  # MTP routers: layer numbers collide with decoder layers (NeMo-RL #3903)
+            # MTP routers: routes carry no MTP rows; numbered num_layers + depth in 0.16.x and
+            # depth (colliding with decoder layers, NeMo-RL #3903) from 0.19
+            continue
         replay = module.router_replay
         if replay is None:
             disabled.append(name)

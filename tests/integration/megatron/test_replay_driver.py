@@ -518,6 +518,39 @@ def scenario_combined_1f1b(patch: bool):
     return out
 
 
+def scenario_mtp_router_numbers():
+    """A model with one MTP depth: the routers' layer numbers, and the ones the driver replays."""
+    import inspect
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from replay_plugin.megatron import replay_layers
+
+    cfg = harness.config(num_layers=2, mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    kw = (
+        {"use_transformer_engine": False}
+        if "use_transformer_engine" in inspect.signature(get_gpt_mtp_block_spec).parameters
+        else {}
+    )
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=harness.VOCAB,
+        max_sequence_length=harness.MAX_SEQ,
+        mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, **kw),
+    )
+    return {
+        "routers": {
+            name: m.layer_number
+            for name, m in model.named_modules()
+            if hasattr(m, "router_replay") and hasattr(m, "routing")
+        },
+        "replayed": list(replay_layers(model)),
+    }
+
+
 # --------------------------------------------------------------------------------------
 # tests
 
@@ -650,3 +683,18 @@ def test_combined_1f1b_is_refused_before_the_schedule_runs(worker):
     # forward-only pass (on CPU the training schedule itself then fails creating CUDA streams)
     off = worker.run(scenario_combined_1f1b, patch=False)
     assert off["forward_only"] is not None and "overlap_moe_expert_parallel_comm" in off["forward_only"]
+
+
+def test_mtp_routers_numbered_per_version_and_not_replayed(worker):
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    out = worker.run(scenario_mtp_router_numbers)
+    mtp = {n: v for n, v in out["routers"].items() if n.startswith("mtp.")}
+    decoder = sorted(v for n, v in out["routers"].items() if n.startswith("decoder."))
+    assert decoder == [1, 2] and len(mtp) == 1
+    # 0.16.x: num_layers + depth; 0.19: the depth itself, colliding with decoder layer 1
+    native = Version(importlib.metadata.version("megatron-core")) >= Version("0.19.0")
+    assert list(mtp.values()) == ([1] if native else [3])
+    assert out["replayed"] == [1, 2]
