@@ -201,6 +201,10 @@ def replay_response_logprobs(
     batch, seq = attention.shape
     ids = _grid(input_ids, "input_ids", (batch, seq), device, integer=True)
     _check_sub_sequences(sub_sequence_lengths, layout)
+    if num_actions is not None and (
+        isinstance(num_actions, bool) or not isinstance(num_actions, int) or not 0 < num_actions <= seq - 1
+    ):
+        raise ReplayDataError("num_actions", f"got {num_actions!r}", expected=f"an int in [1, {seq - 1}]")
 
     g = groups_of(model, pg_collection)
     cp_size, cp_rank = g.cp_size, g.cp_rank
@@ -233,11 +237,7 @@ def replay_response_logprobs(
     if cp_size > 1:
         values = layout.unshard(list(_GatherShards.apply(values, g.cp, cp_rank, cp_size).unbind(0)))
     out = layout.restore(values, 0.0)  # [B, S - 1]
-    if num_actions is None:
-        return out
-    if isinstance(num_actions, bool) or not isinstance(num_actions, int) or not 0 < num_actions <= seq - 1:
-        raise ReplayDataError("num_actions", f"got {num_actions!r}", expected=f"an int in [1, {seq - 1}]")
-    return out[:, seq - 1 - num_actions :]
+    return out if num_actions is None else out[:, seq - 1 - num_actions :]
 
 
 def cp_loss_scale(model: Any = None, pg_collection: Any = None) -> int:
