@@ -54,12 +54,13 @@ class Schedule:
             recompute pops a FIFO entry).
     """
 
-    __slots__ = ("forward_only", "before", "installed", "stale")
+    __slots__ = ("forward_only", "instances", "actions", "installed", "stale")
 
     def __init__(self, forward_only: bool, instances: list) -> None:
         self.forward_only = forward_only
-        # (instance, action) of every RouterReplay when the schedule started.
-        self.before = [(inst, inst.router_replay_action) for inst in instances]
+        # every RouterReplay and its action when the schedule started
+        self.instances = list(instances)
+        self.actions = [inst.router_replay_action for inst in instances]
         # instance -> ids of the FIFO entries set_target_indices appended during the schedule
         self.installed: dict[Any, set[int]] = {}
         self.stale = 0
@@ -128,23 +129,23 @@ def _drop_stale(schedule: Schedule, instance: Any, fifo: list) -> None:
 
 def _end(schedule: Schedule) -> None:
     """Undo what ``schedule`` installed and left unconsumed; leave older state alone."""
+    instances, before, installed = schedule.instances, schedule.actions, schedule.installed
+    now = [inst.router_replay_action for inst in instances]
+    if not installed and now == before:  # nothing installed, no action changed: the common case
+        return
     _, action_enum = _classes()
     replay_actions = (action_enum.REPLAY_FORWARD, action_enum.REPLAY_BACKWARD)
-    installed = schedule.installed
-    seen = set()
-    for inst, action in schedule.before:
-        own = installed.get(inst) if installed else None
-        if own is not None:
-            seen.add(id(inst))
-            _drop_own(inst, own)
-            if action in replay_actions:  # superseded by the schedule's own replay
-                action = None
-        if action is None and inst.router_replay_action is not None:
+    for inst, own in installed.items():
+        _drop_own(inst, own)
+    for inst, action, current in zip(instances, before, now):
+        if current is None:
+            continue
+        # an action the schedule set on a router that had none, or a replay action its own
+        # installs superseded, ends with the schedule
+        if action is None or (action in replay_actions and inst in installed):
             inst.router_replay_action = None
-    for inst, own in installed.items():  # instances built during the schedule
-        if id(inst) not in seen:
-            _drop_own(inst, own)
-            inst.router_replay_action = None
+    for inst in installed.keys() - set(instances):  # instances built during the schedule
+        inst.router_replay_action = None
 
 
 def _drop_own(inst: Any, own: set[int]) -> None:
