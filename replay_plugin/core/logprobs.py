@@ -83,8 +83,9 @@ class _GatherLast(torch.autograd.Function):
 
     Autograd's own ``gather`` saves its whole input for the backward (torch 2.x,
     ``derivatives.yaml``: ``gather_backward(grad, self, ...)`` reads only its shape), which keeps
-    the caller's ``[..., V_local]`` logits alive until the backward: at TP=2 that made replay
-    from logits peak at 1.32x the memory of Megatron's ``vocab_parallel_cross_entropy``. This
+    the caller's ``[..., V_local]`` logits alive until the backward (with the synthetic-EOS
+    rows' second dense gradient, see :class:`_GatherCandidatesAndRows`, replay from logits
+    peaked at 1.32x the memory of Megatron's ``vocab_parallel_cross_entropy`` at TP=2). This
     saves the index and the shape only; the backward allocates the one dense gradient the
     logits need and scatter-adds into it in place.
     """
