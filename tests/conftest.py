@@ -23,7 +23,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_IMPORT_NAMES = {"megatron-core": "megatron.core", "vllm": "vllm", "verl": "verl", "skyrl": "skyrl"}
+_IMPORT_NAMES = {"megatron-core": "megatron.core", "vllm": "vllm", "verl": "verl", "skyrl": "skyrl",
+                 "transformers": "transformers"}
 
 
 def need(*upstreams: str) -> None:
