@@ -185,7 +185,8 @@ class _Layer:
         hidden = args[0] if args else next(iter(kwargs.values()))
         frame = _Call(self, tuple(hidden.shape[:-1]), backward)
         on_router = self.router.register_forward_hook(frame.on_router)
-        on_experts = self.experts.register_forward_pre_hook(frame.on_experts, with_kwargs=True)
+        # prepend: hooks of others on the experts module (spies, profilers) see what the experts get
+        on_experts = self.experts.register_forward_pre_hook(frame.on_experts, with_kwargs=True, prepend=True)
         try:
             out = wrapped(*args, **kwargs)
         finally:
@@ -369,6 +370,8 @@ class _Model:
         layers: list[_Layer] = []
         for name, module in model.named_modules():
             if block_cls is None or not isinstance(module, block_cls):
+                if isinstance(getattr(module, family.experts, None), torch.nn.Module):
+                    _refuse_foreign_block(module, name, family)
                 continue
             index = _layer_index(model, name, self.num_layers)
             router = getattr(module, family.router, None)
@@ -449,6 +452,18 @@ def _ensure_patch(family: Family) -> None:
             f"{family.model_type} blocks route themselves",
             expected=f"the patch applied (replay-plugin status --import {family.module})",
         )
+
+
+def _refuse_foreign_block(module: Any, name: str, family: Family) -> None:
+    """A module holding experts that is not the family's block routes on its own (transformers
+    5.24 swaps ``GptOssMLP`` for ``Mxfp4GptOssMLP`` with mxfp4 weights)."""
+    raise UnsupportedModelError(
+        "model",
+        f"{name} is a {type(module).__module__}.{type(module).__qualname__} holding experts, not the "
+        f"{family.block} the plugin wraps: it routes on its own (quantized or kernel MoE layers) and replay would not "
+        "reach its experts",
+        expected=f"transformers' {family.block} in every MoE layer (mxfp4 dequantized)",
+    )
 
 
 def _check_forward(block: Any, name: str, family: Family) -> None:

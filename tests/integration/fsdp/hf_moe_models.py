@@ -187,12 +187,15 @@ def config(family: str, **overrides: Any) -> Any:
     return cfg
 
 
-def build(family: str, seed: int = 0, **overrides: Any) -> Any:
+def build(family: str, seed: int = 0, attn: str = "eager", experts: str | None = None, **overrides: Any) -> Any:
+    """The family's ``*ForCausalLM`` (float32, eval mode); ``overrides`` are set on its config,
+    ``experts`` picks the experts implementation (eager, batched_mm, grouped_mm)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(family, **overrides), attn_implementation="eager")
+    kwargs = {"experts_implementation": experts} if experts else {}
+    model = AutoModelForCausalLM.from_config(config(family, **overrides), attn_implementation=attn, **kwargs)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.5)
