@@ -25,8 +25,9 @@ Fail loud, never silently not replay (:class:`UnsupportedModelError`, :class:`Re
 an unknown ``model_type``, a remote-code model class, a block whose forward was replaced (hub
 kernels, ``Mxfp4GptOssExperts``' ``mlp_forward``), a router or experts module that is not called
 exactly once per block call, weights that the family formula does not reproduce on the model's
-own routes (checked on the first call of every layer), the patch not applied, a block not run in a
-forward, a checkpointed layer recomputed after its context closed (run ``backward`` inside it).
+own routes (checked once per block class, config and dtype in a process), the patch not applied, a
+block not run in a forward, a checkpointed layer recomputed after its context closed (run
+``backward`` inside it).
 
 Load-balancing loss: by default the family's ``load_balancing_loss_func`` runs its own top-k on
 the router logits (upstream behaviour: it counts the routes the model would have chosen);
@@ -74,6 +75,8 @@ _LOCK = threading.RLock()
 _BOUND: dict[Any, _Layer] = {}  # MoE block module -> its binding while a context is open
 _RECOMPUTE_GUARD: weakref.WeakSet[Any] = weakref.WeakSet()  # blocks last run under a replay that closed
 _AUX: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}  # id(router logits) -> experts used
+# (block class, id(config), logits dtype, hidden dtype, device) -> the config: formula verified
+_FORMULA_CHECKED: dict[tuple, weakref.ref[Any]] = {}
 
 
 def _in_backward() -> bool:
@@ -167,7 +170,6 @@ class _Layer:
         self.replay: RouteReplay | None = None
         self.recording: RouteRecording | None = None
         self.forward_calls = 0  # calls outside backward while the current replay is bound
-        self.checked = False  # the family formula was checked against this layer's own weights
 
     def describe(self) -> str:
         return f"layer {self.index} ({self.path}, {type(self.block).__name__})"
@@ -274,9 +276,11 @@ class _Call:
             routes, mask = replay.layer_rows(layer, self.token_shape, index.device)
             used = routes if mask is None else torch.where(mask.unsqueeze(1), index, routes)
             new_weights = layer.family.weights(self.logits, used, hidden.dtype, layer.config)
-            if not layer.checked:
+            key = (type(layer.block), id(layer.config), self.logits.dtype, hidden.dtype, self.logits.device)
+            checked = _FORMULA_CHECKED.get(key)
+            if checked is None or checked() is not layer.config:
                 _check_formula(layer, self.logits, index, weights, hidden.dtype)
-                layer.checked = True
+                _FORMULA_CHECKED[key] = weakref.ref(layer.config)
             if mask is not None:
                 new_weights = torch.where(mask.unsqueeze(1), weights, new_weights)
             result = rebuild(used, new_weights)
@@ -649,7 +653,6 @@ class RouteReplay(_Context):
         self._bind("replay")
         for layer in self._bound:
             layer.forward_calls = 0
-            layer.checked = False
             _RECOMPUTE_GUARD.discard(layer.block)
         return self
 
