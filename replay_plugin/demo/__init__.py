@@ -3,9 +3,9 @@
 1. Builds (once, cached) the embedded tiny Qwen3-MoE model and tokenizer (no network).
 2. Rolls out with real vLLM on CPU (top-k / top-p at temperature 1), the plugin returning the
    sampler support and the routed experts of every generated token.
-3. Re-scores the same tokens in a Megatron-core ``GPTModel`` loaded with the same weights, in
-   float32 and bfloat16, under four settings: stock, routed-expert replay, sampler-support
-   replay, both.
+3. Re-scores the same tokens in a Megatron-core ``GPTModel`` loaded with the same weights (or,
+   with ``--trainer hf``, in the Hugging Face model through ``replay_plugin.fsdp``), in float32
+   and bfloat16, under four settings: stock, routed-expert replay, sampler-support replay, both.
 4. Prints one row per precision and setting (and writes ``--json`` / ``--plot``).
 
 The CPU shims Megatron needs (``demo/cpu.py``) are applied in this process only, after the
@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precisions", default="float32,bfloat16", help="trainer precisions (default float32,bfloat16)")
     p.add_argument("--trainer", choices=("megatron", "hf"), default="megatron",
-                   help="megatron (default) or hf: the HF/FSDP replay path, sampler-support settings only")
+                   help="megatron (default): a Megatron-core GPTModel; hf: the Hugging Face model through the "
+                        "FSDP replay path (replay_plugin.fsdp)")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG histogram of log-ratios per setting")
 
@@ -122,8 +123,7 @@ def run(args: Any) -> list[dict]:
     progress(f"starting vLLM and rolling out {len(prompts)} prompts x {args.max_tokens} tokens "
              f"(top_k={args.top_k}, top_p={args.top_p}, temperature={args.temperature})")
     spec = rollout.RolloutSpec(model=model_dir, prompts=prompts, max_tokens=args.max_tokens, top_k=args.top_k,
-                               top_p=args.top_p, temperature=args.temperature, seed=args.seed,
-                               routes=args.trainer == "megatron")
+                               top_p=args.top_p, temperature=args.temperature, seed=args.seed, routes=True)
     with tempfile.TemporaryDirectory() as work:
         trajectories = rollout.run_in_child(spec, work)
 
