@@ -190,11 +190,11 @@ def load_balancing_loss(
     """The Switch-Transformer load-balancing loss of ``load_balancing_loss_func``, counted over the
     experts in ``selected`` instead of a top-k of the logits.
 
-    ``num_experts * sum_e f_e * P_e`` with ``f_e`` the share of (token, slot) assignments to
-    expert ``e`` divided by the token count... exactly: ``f_e = count_e / rows`` (``rows`` tokens,
-    ``count_e`` of the ``rows * K`` assignments) and ``P_e`` the mean router probability of ``e``,
-    over the tokens the ``[B, S]`` attention mask keeps (all without one). Equal to upstream's
-    value (5.10's one-hot means and 5.24's per-layer counts alike) when ``selected`` is the top-k.
+    ``num_experts * sum_e (count_e / rows) * (P_e / rows)``: ``rows`` tokens over all MoE layers,
+    ``count_e`` the number of their ``rows * K`` assignments that go to expert ``e``, ``P_e`` the
+    sum of ``e``'s router probability; only tokens the ``[B, S]`` attention mask keeps (all without
+    one). Equal to upstream's value (5.10's one-hot means and 5.24's per-layer counts alike) when
+    ``selected`` is the top-k of the logits.
 
     Args:
         router_logits: per MoE layer ``[B*S, E]`` (the model's ``outputs.router_logits``).

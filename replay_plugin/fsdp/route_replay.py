@@ -701,24 +701,34 @@ def _check_routes(routes: Any, mask: Any, scan: _Model) -> tuple[torch.Tensor, t
                 expected=f"bool {list(r.shape[:-2])} (True = no recorded route: the model routes the token itself)",
             )
         m = m.to(device=r.device) != 0
-    moe = r.index_select(r.dim() - 2, torch.tensor(scan.moe_layers, device=r.device)).long()  # [*tokens, L_moe, K]
-    keep = torch.ones(moe.shape[:-2], dtype=torch.bool, device=r.device) if m is None else ~m
-    bad = ((moe < 0) | (moe >= scan.num_experts)).any(-1)
+    # in the compact dtype (no int64 copy); one reduction on the fast path
+    moe = r
+    if len(scan.moe_layers) != r.shape[-2]:
+        moe = r.index_select(r.dim() - 2, torch.tensor(scan.moe_layers, device=r.device))  # [*tokens, L_moe, K]
+    bad = (moe >= scan.num_experts).any(-1)
+    if moe.dtype.is_signed:
+        bad |= (moe < 0).any(-1)
     srt = moe.sort(dim=-1).values
     dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
+    if m is not None:
+        keep = ~m.unsqueeze(-1)
+        bad, dup = bad & keep, dup & keep
+    if not bool((bad | dup).any()):
+        return r, m
     for problem, flags, expected in (
         ("expert id out of range", bad, f"ids in [0, {scan.num_experts})"),
         ("the same expert twice", dup, f"{scan.top_k} distinct experts per token and layer"),
     ):
-        flags = flags & keep.unsqueeze(-1)
         if bool(flags.any()):
-            pos = [int(v) for v in flags.nonzero()[0]]
-            *where, j = pos
-            layer = scan.moe_layers[j]
+            *where, j = (int(v) for v in flags.nonzero()[0])
             row = moe[tuple(where)][j].tolist()
             trajectory, token = (where[0], where[1]) if len(where) == 2 else (None, where[-1])
             raise ReplayDataError(
-                "routes", f"{problem} in layer {layer}: {row}", trajectory=trajectory, token=token, expected=expected
+                "routes",
+                f"{problem} in layer {scan.moe_layers[j]}: {row}",
+                trajectory=trajectory,
+                token=token,
+                expected=expected,
             )
     return r, m
 

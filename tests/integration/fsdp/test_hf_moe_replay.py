@@ -493,6 +493,11 @@ def test_route_data_errors_name_the_field_layer_and_token():
     with pytest.raises(ReplayDataError, match=r"out of range in layer 2: \[3, 8\]") as info:
         replay_routes(model, bad)
     assert (info.value.trajectory, info.value.token) == (1, 4)
+    negative = good.to(torch.int16)
+    negative[0, 6, 0, 1] = -1
+    with pytest.raises(ReplayDataError, match=r"out of range in layer 0: \[\d, -1\]") as info:
+        replay_routes(model, negative)
+    assert (info.value.trajectory, info.value.token) == (0, 6)
     dup = good.clone()
     dup[0, 2, 0] = torch.tensor([6, 6], dtype=torch.uint8)
     with pytest.raises(ReplayDataError, match="the same expert twice in layer 0") as info:
