@@ -5,8 +5,10 @@
 - :func:`response_logprobs` (``replay.py``): response logprobs of an FSDP trainer's microbatch,
   renormalised over the recorded sampler support, through remove-padding and Ulysses SP.
 - :func:`replay_routes` / :func:`record_routes` (``route_replay.py``): routed-expert replay for
-  Hugging Face MoE models (families and their weight formulas in ``hf_moe.py``; the patches
-  ``transformers.moe_router_replay.<family>`` in ``moe_router_replay.py``).
+  Hugging Face MoE models; families and their weight formulas in ``hf_moe.py``, finding a model's
+  MoE layers (and refusing the ones replay cannot reach) in ``moe_layers.py``, route checks and
+  layouts in ``route_layout.py``, the patches ``transformers.moe_router_replay.<family>`` in
+  ``moe_router_replay.py``.
 
 Importing this package imports neither torch nor verl/skyrl/transformers: the public names are loaded on first
 attribute access.

@@ -22,12 +22,12 @@ wraps each family's MoE block forward at import; the context managers only bind 
   exactly what it computes without the plugin.
 
 Fail loud, never silently not replay (:class:`UnsupportedModelError`, :class:`ReplayStateError`):
-an unknown ``model_type``, a remote-code model class, a block whose forward was replaced (hub
-kernels, ``Mxfp4GptOssExperts``' ``mlp_forward``), a router or experts module that is not called
+before anything is bound, every refusal of :mod:`replay_plugin.fsdp.moe_layers` (unknown family,
+remote-code classes, hub kernels, mxfp4, patch not applied) and every route check of
+:mod:`replay_plugin.fsdp.route_layout`; while running, a router or experts module not called
 exactly once per block call, weights that the family formula does not reproduce on the model's
-own routes (checked once per block class, config and dtype in a process), the patch not applied, a
-block not run in a forward, a checkpointed layer recomputed after its context closed (run
-``backward`` inside it).
+own routes (checked once per block class, config and dtype in a process), an MoE block not run in
+a forward, a checkpointed layer recomputed after its context closed (run ``backward`` inside it).
 
 Load-balancing loss: by default the family's ``load_balancing_loss_func`` runs its own top-k on
 the router logits (upstream behaviour: it counts the routes the model would have chosen);
@@ -46,10 +46,10 @@ from typing import Any, TypeAlias
 import numpy as np
 import torch
 
-from .. import states
-from ..core.errors import ReplayDataError, ReplayTypeError
-from ..patcher import patch_marker
-from .hf_moe import FAMILIES, Family, family_of, load_balancing_loss
+from ..core.errors import ReplayDataError
+from .hf_moe import load_balancing_loss
+from .moe_layers import MoeBlock, MoeModel, UnsupportedModelError
+from .route_layout import check_routes, device_of, to_model_layout
 
 __all__ = [
     "ReplayStateError",
@@ -59,10 +59,6 @@ __all__ = [
     "record_routes",
     "replay_routes",
 ]
-
-
-class UnsupportedModelError(ReplayDataError):
-    """A model, family or kernel path under which routed-expert replay would not reach the experts."""
 
 
 class ReplayStateError(RuntimeError):
@@ -152,21 +148,12 @@ def _signature(fn: Any) -> inspect.Signature:
 
 
 class _Layer:
-    """One MoE block of a model bound to the open contexts."""
+    """One MoE block bound to the open contexts (at most one replay and one recording)."""
 
-    def __init__(
-        self,
-        block: Any,
-        index: int,
-        path: str,
-        family: Family,
-        router: Any,
-        experts: Any,
-        config: Any,
-        logits_index: int | None,
-    ) -> None:
-        self.block, self.index, self.path, self.family = block, index, path, family
-        self.router, self.experts, self.config, self.logits_index = router, experts, config, logits_index
+    def __init__(self, found: MoeBlock, scan: MoeModel) -> None:
+        self.block, self.index, self.path = found.block, found.index, found.path
+        self.router, self.experts = found.router, found.experts
+        self.family, self.config, self.logits_index = scan.family, scan.config, scan.logits_index
         self.replay: RouteReplay | None = None
         self.recording: RouteRecording | None = None
         self.forward_calls = 0  # calls outside backward while the current replay is bound
@@ -340,159 +327,13 @@ def _check_formula(
 
 
 # =======================================================================================
-# finding the MoE layers of a model
-
-
-class _Model:
-    """The MoE layers of a model and what replay needs to know about them."""
-
-    def __init__(self, model: Any) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise ReplayTypeError(
-                "model", f"got {type(model).__name__}", expected="a torch.nn.Module (a Hugging Face model)"
-            )
-        root = _pretrained_root(model)
-        config = root.config
-        model_type = getattr(config, "model_type", None)
-        family = family_of(model_type)
-        if family is None:
-            raise UnsupportedModelError(
-                "model",
-                f"model type {model_type!r} ({type(root).__name__}) is not a supported MoE family",
-                expected=f"one of {', '.join(sorted(FAMILIES))}",
-            )
-        self.family, self.config, self.root = family, config, root
-        self.num_layers = int(config.num_hidden_layers)
-        self.num_experts = family.num_experts(config)
-        self.top_k = family.top_k(config)
-        _ensure_patch(family)
-        import sys
-
-        block_cls = getattr(sys.modules.get(family.module), family.block, None)
-        recorder = (getattr(type(root), "_can_record_outputs", None) or {}).get("router_logits")
-        logits_index = getattr(recorder, "index", None)
-        layers: list[_Layer] = []
-        for name, module in model.named_modules():
-            if block_cls is None or not isinstance(module, block_cls):
-                if isinstance(getattr(module, family.experts, None), torch.nn.Module):
-                    _refuse_foreign_block(module, name, family)
-                continue
-            index = _layer_index(model, name, self.num_layers)
-            router = getattr(module, family.router, None)
-            experts = getattr(module, family.experts, None)
-            if not isinstance(router, torch.nn.Module) or not isinstance(experts, torch.nn.Module):
-                import transformers
-
-                raise UnsupportedModelError(
-                    "model",
-                    f"{name} ({type(module).__name__}) on transformers {transformers.__version__} has no "
-                    f"{family.router!r} router and {family.experts!r} experts modules taking expert ids (granitemoe "
-                    "before 5.16 dispatches through GraniteMoeTopKGating)",
-                    expected="a transformers version where the block calls experts(hidden, top_k_index, top_k_weights)",
-                )
-            _check_forward(module, name, family)
-            layers.append(_Layer(module, index, name, family, router, experts, config, logits_index))
-        if not layers:
-            raise UnsupportedModelError(
-                "model",
-                f"{type(root).__name__} ({model_type}) has no {family.block} from {family.module} (a remote-code "
-                "model class, or no MoE layer at all)",
-                expected=f"transformers' own {family.block} blocks",
-            )
-        seen: dict[int, str] = {}
-        for layer in layers:
-            if layer.index in seen:
-                raise UnsupportedModelError(
-                    "model",
-                    f"{seen[layer.index]} and {layer.path} share decoder layer {layer.index}",
-                    expected="one MoE block per decoder layer",
-                )
-            seen[layer.index] = layer.path
-        self.layers = tuple(sorted(layers, key=lambda x: x.index))
-        self.moe_layers = tuple(x.index for x in self.layers)
-
-
-def _pretrained_root(model: Any) -> Any:
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "model_type") and hasattr(config, "num_hidden_layers"):
-            return module
-    raise UnsupportedModelError(
-        "model",
-        f"{type(model).__name__} holds no Hugging Face model (no submodule with a config)",
-        expected="a transformers PreTrainedModel, possibly wrapped (FSDP, PEFT)",
-    )
-
-
-def _layer_index(model: Any, name: str, num_layers: int) -> int:
-    """The decoder-layer index in ``name``: the last number whose parent is a ModuleList of
-    ``num_hidden_layers`` entries (``model.layers.3.mlp``, ``transformer.blocks.3.ffn``; FSDP1
-    and PEFT wrappers insert path components, not list levels)."""
-    parts = name.split(".")
-    for i in range(len(parts) - 1, -1, -1):
-        if parts[i].isdigit():
-            parent = model.get_submodule(".".join(parts[:i]))
-            if isinstance(parent, torch.nn.ModuleList) and len(parent) == num_layers:
-                return int(parts[i])
-    raise UnsupportedModelError(
-        "model",
-        f"MoE block {name} is not inside a list of {num_layers} decoder layers",
-        expected="<...>.layers.<i>.<...> with config.num_hidden_layers layers",
-    )
-
-
-def _ensure_patch(family: Family) -> None:
-    st = states.get(family.patch)
-    if st is None or st.state != "applied":
-        import replay_plugin
-
-        replay_plugin.activate()  # where no .pth ran (python -S): applies the patches of imported modules
-        st = states.get(family.patch)
-    if st is None or st.state != "applied":
-        state, reason = (st.state, st.reason) if st is not None else ("not registered", "")
-        raise UnsupportedModelError(
-            "model",
-            f"patch {family.patch} is {state}{': ' + reason if reason else ''}; without it the "
-            f"{family.model_type} blocks route themselves",
-            expected=f"the patch applied (replay-plugin status --import {family.module})",
-        )
-
-
-def _refuse_foreign_block(module: Any, name: str, family: Family) -> None:
-    """A module holding experts that is not the family's block routes on its own (transformers
-    5.24 swaps ``GptOssMLP`` for ``Mxfp4GptOssMLP`` with mxfp4 weights)."""
-    raise UnsupportedModelError(
-        "model",
-        f"{name} is a {type(module).__module__}.{type(module).__qualname__} holding experts, not the "
-        f"{family.block} the plugin wraps: it routes on its own (quantized or kernel MoE layers) and replay would not "
-        "reach its experts",
-        expected=f"transformers' {family.block} in every MoE layer (mxfp4 dequantized)",
-    )
-
-
-def _check_forward(block: Any, name: str, family: Family) -> None:
-    forward = inspect.getattr_static(block, "forward")
-    if patch_marker(forward) == family.patch:
-        return
-    target = getattr(forward, "__func__", forward)
-    where = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
-    own = "an instance attribute" if "forward" in vars(block) else f"class {type(block).__qualname__}"
-    raise UnsupportedModelError(
-        "model",
-        f"{name} runs {where} ({own}), not the {family.block} forward the plugin wraps: its routing happens "
-        "elsewhere (hub kernels such as MegaBlocks, Mxfp4GptOssExperts) and replay would not reach the experts",
-        expected=f"transformers' {family.block}.forward (load without use_kernels / mxfp4 dequantized)",
-    )
-
-
-# =======================================================================================
 # the context managers
 
 
 class _Context:
     def __init__(self, model: Any) -> None:
         self._model = model
-        self._scan = _Model(model)
+        self._scan = MoeModel(model)
         self._bound: list[_Layer] = []
         self._hooks: list[Any] = []
         self._ran: set[int] = set()
@@ -505,10 +346,10 @@ class _Context:
     def _bind(self, slot: str) -> None:
         with _LOCK:
             try:
-                for layer in self._scan.layers:
-                    current = _BOUND.get(layer.block)
+                for found in self._scan.blocks:
+                    current = _BOUND.get(found.block)
                     if current is None:
-                        _BOUND[layer.block] = current = layer
+                        _BOUND[found.block] = current = _Layer(found, self._scan)
                     if getattr(current, slot) is not None:
                         raise ReplayStateError(
                             f"{current.describe()} is already bound to an open "
@@ -540,7 +381,7 @@ class _Context:
         self._ran = set()
 
     def _after_forward(self, module: Any, args: Any, output: Any) -> None:
-        missing = [layer.index for layer in self._scan.layers if layer.index not in self._ran]
+        missing = [index for index in self._scan.moe_layers if index not in self._ran]
         if missing:
             raise UnsupportedModelError(
                 "model",
@@ -622,9 +463,9 @@ class RouteReplay(_Context):
         self.aux_loss = aux_loss
         self._aux_ids: list[int] = []
         scan = self._scan
-        r, mask = _check_routes(routes, router_padding_mask, scan)
-        r, mask = _to_model_layout(r, mask, indices=indices, layout=layout, sp_group=sp_group, topk=scan.top_k)
-        device = _device_of(model)
+        r, mask = check_routes(routes, router_padding_mask, scan)
+        r, mask = to_model_layout(r, mask, indices=indices, layout=layout, sp_group=sp_group, topk=scan.top_k)
+        device = device_of(model)
         self.routes = r.to(device)  # compact dtype, [*tokens, L, K]
         self.router_padding_mask = None if mask is None else mask.to(device)
         self._token_shape = tuple(self.routes.shape[:-2])
@@ -665,127 +506,6 @@ class RouteReplay(_Context):
             for key in self._aux_ids:
                 _AUX.pop(key, None)
             self._aux_ids = []
-
-
-# =======================================================================================
-# routes: checks and layouts
-
-
-def _as_tensor(x: Any, field: str) -> torch.Tensor:
-    if isinstance(x, np.ndarray):
-        x = torch.from_numpy(np.ascontiguousarray(x))
-    if not isinstance(x, torch.Tensor):
-        raise ReplayTypeError(field, f"got {type(x).__name__}", expected="a numpy array or torch tensor")
-    return x
-
-
-def _check_routes(routes: Any, mask: Any, scan: _Model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Validated routes (compact dtype kept) and bool mask, in the caller's coordinates."""
-    r = _as_tensor(routes, "routes")
-    if r.dtype == torch.bool or r.is_floating_point() or r.is_complex():
-        raise ReplayTypeError("routes", f"dtype {r.dtype}", expected="integer expert ids (uint8, int16, int32, int64)")
-    if r.dim() < 3 or r.shape[-2] != scan.num_layers or r.shape[-1] != scan.top_k:
-        raise ReplayDataError(
-            "routes",
-            f"shape {tuple(r.shape)}",
-            expected=f"[*tokens, {scan.num_layers}, {scan.top_k}]: config.num_hidden_layers decoder layers "
-            f"(dense ones included, as vLLM returns them) and top-k {scan.top_k}",
-        )
-    m = None
-    if mask is not None:
-        m = _as_tensor(mask, "router_padding_mask")
-        if m.is_floating_point() or m.is_complex() or tuple(m.shape) != tuple(r.shape[:-2]):
-            raise ReplayDataError(
-                "router_padding_mask",
-                f"{m.dtype} of shape {tuple(m.shape)}",
-                expected=f"bool {list(r.shape[:-2])} (True = no recorded route: the model routes the token itself)",
-            )
-        m = m.to(device=r.device) != 0
-    # in the compact dtype (no int64 copy); one reduction on the fast path
-    moe = r
-    if len(scan.moe_layers) != r.shape[-2]:
-        moe = r.index_select(r.dim() - 2, torch.tensor(scan.moe_layers, device=r.device))  # [*tokens, L_moe, K]
-    bad = (moe >= scan.num_experts).any(-1)
-    if moe.dtype.is_signed:
-        bad |= (moe < 0).any(-1)
-    srt = moe.sort(dim=-1).values
-    dup = (srt[..., 1:] == srt[..., :-1]).any(-1)
-    if m is not None:
-        keep = ~m.unsqueeze(-1)
-        bad, dup = bad & keep, dup & keep
-    if not bool((bad | dup).any()):
-        return r, m
-    for problem, flags, expected in (
-        ("expert id out of range", bad, f"ids in [0, {scan.num_experts})"),
-        ("the same expert twice", dup, f"{scan.top_k} distinct experts per token and layer"),
-    ):
-        if bool(flags.any()):
-            *where, j = (int(v) for v in flags.nonzero()[0])
-            row = moe[tuple(where)][j].tolist()
-            trajectory, token = (where[0], where[1]) if len(where) == 2 else (None, where[-1])
-            raise ReplayDataError(
-                "routes",
-                f"{problem} in layer {scan.moe_layers[j]}: {row}",
-                trajectory=trajectory,
-                token=token,
-                expected=expected,
-            )
-    return r, m
-
-
-def _to_model_layout(
-    routes: torch.Tensor, mask: torch.Tensor | None, *, indices: Any, layout: Any, sp_group: Any, topk: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """From the batch grid ``[B, S, L, K]`` to the layout the model sees: remove-padding
-    (``indices``) or a :class:`~replay_plugin.core.layout.TokenMetadataLayout`, then the Ulysses
-    slice of dim 1 (padded to a multiple of the SP size, one contiguous part per rank)."""
-    if indices is not None and layout is not None:
-        raise ReplayDataError("indices", "given together with layout", expected="one of indices= and layout=")
-    if indices is not None or layout is not None:
-        if routes.dim() != 4:
-            raise ReplayDataError(
-                "routes", f"shape {tuple(routes.shape)}", expected="[B, S, L, K] with indices=/layout="
-            )
-        if mask is None:
-            mask = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
-    pad_row = torch.arange(topk, dtype=routes.dtype, device=routes.device)
-    if indices is not None:
-        idx = _as_tensor(indices, "indices").to(routes.device).long().reshape(-1)
-        batch, seq = routes.shape[:2]
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= batch * seq):
-            raise ReplayDataError("indices", f"values outside [0, {batch * seq})", expected="unpad_input's indices")
-        routes = routes.reshape(batch * seq, *routes.shape[2:]).index_select(0, idx).unsqueeze(0)
-        assert mask is not None
-        mask = mask.reshape(-1).index_select(0, idx).unsqueeze(0)
-    elif layout is not None:
-        routes = layout.align(routes, pad_row)
-        mask = layout.align(mask, True)
-    if sp_group is not None:
-        sp_size = torch.distributed.get_world_size(sp_group)
-        sp_rank = torch.distributed.get_rank(sp_group)
-        if sp_size > 1:
-            if mask is None:
-                mask = torch.zeros(routes.shape[:-2], dtype=torch.bool, device=routes.device)
-            routes = _ulysses_slice(routes, sp_size, sp_rank, pad_row)
-            mask = _ulysses_slice(mask, sp_size, sp_rank, torch.tensor(True, device=mask.device))
-    return routes, mask
-
-
-def _ulysses_slice(x: torch.Tensor, sp_size: int, sp_rank: int, fill: torch.Tensor) -> torch.Tensor:
-    """Pad dim 1 to a multiple of ``sp_size`` with ``fill`` and keep part ``sp_rank`` (verl's and
-    skyrl's ``ulysses_pad_and_slice_inputs`` partition)."""
-    n = x.shape[1]
-    part = -(-n // sp_size)
-    padded = torch.empty((x.shape[0], part * sp_size, *x.shape[2:]), dtype=x.dtype, device=x.device)
-    padded[:, n:] = fill
-    padded[:, :n] = x
-    return padded[:, sp_rank * part : (sp_rank + 1) * part].contiguous()
-
-
-def _device_of(model: Any) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 # =======================================================================================
