@@ -162,10 +162,15 @@ class Patcher:
 
     def revert(self) -> list[str]:
         """Undo the changes in reverse order. Returns the problems (a change someone else wrapped
-        on top of, or replaced, is left in place and reported)."""
-        problems = [p for p in (change.undo() for change in reversed(self.changes)) if p]
+        on top of, or replaced, is left in place and reported; only those changes stay recorded)."""
+        problems, kept = [], []
+        for change in reversed(self.changes):
+            problem = change.undo()
+            if problem:
+                problems.append(problem)
+                kept.append(change)
+        self.changes = kept[::-1]
         if not problems:
-            self.changes.clear()
             for callback in reversed(self._on_revert):
                 callback()
             self._on_revert.clear()

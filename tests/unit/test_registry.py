@@ -304,3 +304,16 @@ def test_status_says_replaced_when_another_library_replaced_a_wrapped_function(t
     Target.method = ours
     assert rows()["r.patch"]["state"] == "applied"
     assert reg.revert("r.patch").state == "reverted"
+
+
+def test_partial_revert_keeps_only_the_changes_left_in_place(target_module):
+    import wrapt
+
+    p = Patcher(spec())
+    p.wrap("function", add_one)
+    p.wrap("Target.method", add_one)
+    wrapt.wrap_function_wrapper(MOD, "function", lambda w, i, a, k: w(*a, **k) * 10)
+    assert len(p.revert()) == 1
+    assert Target().method(1) == 2  # undone
+    assert [c.attr for c in p.changes] == ["function"]  # the one someone wrapped on top of
+    assert p.displaced() == []  # still in place, inside the foreign wrapper
