@@ -1,6 +1,7 @@
 """`replay-plugin matrix --check` and `doctor` against real installs, and what the runtime does
 with an out-of-range version or a changed fingerprint."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -123,7 +124,10 @@ def test_doctor():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "doctor: no problems found" in proc.stdout
     proc = cli("doctor", env={"VLLM_PLUGINS": "some_other_plugin"})
-    assert proc.returncode == 1 and "VLLM_PLUGINS='some_other_plugin' excludes 'replay_plugin'" in proc.stdout
+    if importlib.util.find_spec("vllm") is not None:
+        assert proc.returncode == 1 and "VLLM_PLUGINS='some_other_plugin' excludes 'replay_plugin'" in proc.stdout
+    else:  # the vLLM rules run only where vLLM is installed
+        assert proc.returncode == 0 and "VLLM_PLUGINS" not in proc.stdout
     proc = cli("doctor", env={"REPLAY_PLUGIN_STRCT": "1"})
     assert proc.returncode == 1 and "did you mean REPLAY_PLUGIN_STRICT" in proc.stdout
     proc = cli("doctor", "--json", env={"REPLAY_PLUGIN_DISABLE": "1"})
