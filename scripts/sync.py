@@ -2,6 +2,7 @@
 """Regenerate what is derived from compat_matrix.yaml and the patch registry.
 
     python scripts/sync.py            # rewrite replay_plugin.pth, pyproject extras, README tables
+                                      # (and the demo tables, from the runs kept in docs/demo/)
     python scripts/sync.py --check    # exit 1 (with a diff) when any of them is out of date
     <env>/bin/python scripts/sync.py --fingerprints
                                       # record target fingerprints of the upstream versions
@@ -25,6 +26,7 @@ from replay_plugin import _pth, compat, registry, settings  # noqa: E402
 from replay_plugin.spec import toggle_name  # noqa: E402
 
 MATRIX = os.path.join(ROOT, "compat_matrix.yaml")
+DEMO_RUNS = os.path.join(ROOT, "docs", "demo")  # `replay-plugin demo --json` output of real runs
 
 
 def own_specs() -> list:
@@ -85,6 +87,48 @@ def env_table(specs: list) -> str:
     return "\n".join(rows)
 
 
+def demo_run(trainer: str, seed: int) -> dict:
+    import json
+
+    with open(os.path.join(DEMO_RUNS, f"{trainer}-seed{seed}.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def demo_seeds(trainer: str) -> list[int]:
+    names = sorted(n for n in os.listdir(DEMO_RUNS) if n.startswith(f"{trainer}-seed") and n.endswith(".json"))
+    return sorted(int(n[len(trainer) + 5 : -5]) for n in names)
+
+
+def demo_table(trainer: str) -> str:
+    """The table `replay-plugin demo` printed in the recorded seed-0 run."""
+    from replay_plugin.demo import report
+
+    return "```\n" + report.table(demo_run(trainer, 0)["rows"]) + "\n```"
+
+
+def demo_spread(trainer: str) -> str:
+    """Per row: the range over the recorded seeds of the figures that move."""
+    seeds = demo_seeds(trainer)
+    runs = [{(r["precision"], r["replay"]): r for r in demo_run(trainer, s)["rows"]} for s in seeds]
+    lines = [
+        "| row | mean ratio | outside [0.9, 1.1] | routes agree | mean\\|d\\| |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    fmt = {
+        "mean_ratio": lambda v: f"{v:.5f}",
+        "frac_ratio_outside": lambda v: f"{100 * v:.1f}%",
+        "route_agreement": lambda v: f"{100 * v:.1f}%",
+        "mean_abs_delta": lambda v: f"{v:.2e}",
+    }
+    for key in runs[0]:
+        cells = []
+        for col, f in fmt.items():
+            lo, hi = min(r[key][col] for r in runs), max(r[key][col] for r in runs)
+            cells.append(f(lo) if f(lo) == f(hi) else f"{f(lo)} - {f(hi)}")
+        lines.append(f"| {key[0]} {key[1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def replace_between(text: str, name: str, body: str) -> str:
     begin, end = f"<!-- BEGIN generated:{name} -->", f"<!-- END generated:{name} -->"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
@@ -111,6 +155,9 @@ def generated() -> dict[str, str]:
     text = replace_between(text, "versions", versions_table(matrix))
     text = replace_between(text, "patches", patches_table(matrix))
     text = replace_between(text, "env", env_table(own_specs()))
+    for trainer in ("megatron", "hf"):
+        text = replace_between(text, f"demo-{trainer}", demo_table(trainer))
+        text = replace_between(text, f"demo-{trainer}-seeds", demo_spread(trainer))
     out[path] = text
     return out
 

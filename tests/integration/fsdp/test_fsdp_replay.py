@@ -89,6 +89,10 @@ def make_batch(vocab: int, eos: int, seed: int = 0) -> dict:
         "loss_mask": torch.from_numpy(dense.loss_mask[:, -A:]),
         "num_synthetic_eos": dense.num_synthetic_eos,
         "weights": torch.from_numpy(rng.uniform(0.5, 1.5, size=(B, A))).float(),
+        # what dense_support_batch was given (the README's FSDP block builds the batch itself)
+        "rows": rows,
+        "responses": responses,
+        "response_masks": masks,
     }
 
 
