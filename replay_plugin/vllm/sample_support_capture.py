@@ -355,9 +355,9 @@ def _output_rows(capture: _Capture, output: Any, delta: bool) -> SupportRows:
         )
         capture.fill(np.asarray(token_ids[stop - start :], dtype=np.int64), delta)
     first = 0 if delta else capture.checked
-    if first == n - 1 and capture.buffer.sampled[start + first] == token_ids[first]:
-        pass  # one new row, of the right token (the common streamed case, without numpy)
-    elif first < n:
+    # One new row of the right token (the common streamed case) is checked without numpy.
+    one_right = first == n - 1 and capture.buffer.sampled[start + first] == token_ids[first]
+    if first < n and not one_right:
         capture.align(start + first, np.asarray(token_ids[first:n], dtype=np.int64))
     if not delta:
         capture.checked = n
