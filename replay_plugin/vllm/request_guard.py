@@ -4,13 +4,14 @@ before compute, with the reason and the fix.
 Gap (vLLM 0.30-0.32, and every version the capture patches do not support): vLLM ignores
 ``extra_args`` keys it does not know, so a request that sets ``replay_sample_support`` is served
 without replay data whenever the capture patches are not in place (vLLM outside their range,
-toggled off, failed to apply, reverted), and the plugin's internal key is settable by any
-client (a string there gave HTTP 500 on 0.30). This guard is small and has a wide version range
-(no upper bound) so that it stays when the capture patches are skipped: it checks the request's
-replay keys (bad values and internal keys are refused naming the key) and refuses a request
-that wants replay data while a patch it needs is not applied in this process (the capture
-patch; the compact-routes patch when routes are asked for explicitly; the serving patches when
-the OpenAI server is loaded). Remove with the last capture patch.
+toggled off, failed to apply, reverted, or replaced by another library since), and the plugin's
+internal key is settable by any client (a string there gave HTTP 500 on 0.30). This guard is
+small and has a wide version range (no upper bound) so that it stays when the capture patches
+are skipped: it checks the request's replay keys (bad values and internal keys are refused
+naming the key) and refuses a request that wants replay data while a patch it needs is not
+applied in this process (the capture patch; the compact-routes patch when routes are asked for
+explicitly; the serving patches when the OpenAI server is loaded). Remove with the last capture
+patch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .. import states
+from .. import registry, states
 from ..patcher import Patcher
 from . import options
 from .refusal import refusal
@@ -44,6 +45,12 @@ def _fix(name: str, state: str, reason: str) -> str:
         return f"unset {env} (or set it to 1) in every vLLM process"
     if state == "reverted":
         return "call replay_plugin.activate() again"
+    if state == "replaced":
+        return (
+            "another library replaced a function the patch wraps after the plugin patched it: let "
+            "that library patch first and the plugin after (replay_plugin.deactivate() then "
+            "replay_plugin.activate()), or turn that library's patch off"
+        )
     return "see `replay-plugin status --import vllm` and `replay-plugin doctor`"
 
 
@@ -63,7 +70,19 @@ def missing_patches(wants_support: bool, wants_routes: bool) -> list[str]:
         elif st.state not in _SERVING:
             version = f" (vLLM {st.version})" if st.version else ""
             problems.append(f"patch {name} is {st.state}{version}: {st.reason}; fix: {_fix(name, st.state, st.reason)}")
+        elif displaced := _displaced(name):
+            problems.append(
+                f"patch {name} is replaced: {'; '.join(displaced)}: the plugin's wrapper is no longer in "
+                f"place; fix: {_fix(name, 'replaced', '')}"
+            )
     return problems
+
+
+def _displaced(name: str) -> list[str]:
+    """The changes of an applied patch another library has since replaced (state ``replaced``
+    in ``replay-plugin status``)."""
+    patcher = registry.get().patchers.get(name)
+    return patcher.displaced() if patcher is not None else []
 
 
 def check_request(params: Any) -> None:

@@ -257,6 +257,46 @@ def test_knobs_are_declared_on_the_specs():
     assert not knobs & {s.env for s in specs.values()}
 
 
+def test_guard_refuses_when_another_library_replaced_a_capture_target():
+    """A library that assigns its own function over a target the capture patch wraps (after the
+    plugin) silently removes the capture: before the guard knew the state, an opted-in request
+    was admitted and served without rows. The status reads ``replaced`` and the guard refuses
+    opted-in requests, naming the function, the library's module and the fix; plain requests
+    pass, and once the wrapper is back the opted-in request is admitted again."""
+    import importlib
+
+    from vllm import SamplingParams
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    import replay_plugin
+    from replay_plugin.vllm import request_guard
+    from replay_plugin.vllm.sample_support import SampleSupportRefused
+
+    importlib.import_module("vllm.engine.arg_utils")  # the capture patch's trigger
+    importlib.import_module("vllm.v1.engine.input_processor")  # the guard's
+    assert request_guard.missing_patches(True, False) == []
+    opted = SamplingParams(top_k=5, extra_args={"replay_sample_support": True})
+    request_guard.check_request(opted)  # in place: admitted
+    ours = LogprobsProcessor.__dict__["_update_sample_logprobs"]
+
+    def _update_sample_logprobs(self, logprobs_lists):  # another library's replacement
+        return None
+
+    LogprobsProcessor._update_sample_logprobs = _update_sample_logprobs
+    try:
+        state = {r["name"]: r for r in replay_plugin.status()}["vllm.sample_support"]
+        assert state["state"] == "replaced" and "LogprobsProcessor._update_sample_logprobs" in state["reason"]
+        with pytest.raises(SampleSupportRefused) as info:
+            request_guard.check_request(opted)
+        message = str(info.value)
+        assert "vllm.sample_support is replaced" in message and __name__ in message
+        assert "LogprobsProcessor._update_sample_logprobs" in message and "deactivate()" in message
+        request_guard.check_request(SamplingParams(top_k=5))  # a plain request passes
+    finally:
+        LogprobsProcessor._update_sample_logprobs = ours
+    request_guard.check_request(opted)
+
+
 # --------------------------------------------------------------------------- routes through delta merges
 
 
