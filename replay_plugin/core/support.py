@@ -34,6 +34,14 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 #: the bf16 train-inference noise this replay removes (~1e-2), so such rows are exact for
 #: every practical purpose.
 DEFAULT_MASS_TOLERANCE = 1e-4
+#: Processed logprobs at or below this are probabilities that are exactly zero even in float64
+#: (``exp(-746) == 0``): the sampler cannot draw such a token, so it is not part of the support.
+#: vLLM forces a token by giving it a huge logit (the thinking budget sets the end-of-thinking
+#: token's logit to 1e9, vLLM 0.30-0.32 ``thinking_budget_state.py``); the other top-k tokens then
+#: keep finite processed logprobs near ``-1e9 / T``. Without this floor such a row lists them and
+#: the trainer gives the forced token its natural share; with it the row is the forced token
+#: alone (trainer and rollout logprob both 0). A natural row never loses mass to the floor.
+UNREACHABLE_LOGPROB = -1000.0
 
 InexactPolicy = Literal["repair", "mask", "error"]
 _POLICIES = ("repair", "mask", "error")
@@ -138,7 +146,13 @@ class SupportRows:
         )
 
 
-def support_from_flat_logprobs(flat: Any, width: int, *, mass_tolerance: float = DEFAULT_MASS_TOLERANCE) -> SupportRows:
+def support_from_flat_logprobs(
+    flat: Any,
+    width: int,
+    *,
+    mass_tolerance: float = DEFAULT_MASS_TOLERANCE,
+    min_logprob: float = UNREACHABLE_LOGPROB,
+) -> SupportRows:
     """Support rows from vLLM ``FlatLogprobs`` produced with processed logprobs and ``logprobs=N``.
 
     Args:
@@ -149,12 +163,15 @@ def support_from_flat_logprobs(flat: Any, width: int, *, mass_tolerance: float =
             top-N in descending order with ``-inf`` for masked tokens.
         width: output row width ``W`` (>= 1). Usually the request's ``top_k`` (= ``N``).
         mass_tolerance: see ``DEFAULT_MASS_TOLERANCE``.
+        min_logprob: entries at or below it cannot be drawn and are not members (see
+            ``UNREACHABLE_LOGPROB``; ``-inf`` keeps every finite entry).
 
     Returns:
-        ``SupportRows`` with ``T = len(start_indices)`` rows. A row holds the finite entries
-        among ``1..N``, in the engine's order (descending processed logprob), at most ``W`` of
-        them. The sampled token is not added when it is missing (the row is recorded as seen).
-        ``exact`` is True when (some of the N entries are ``-inf``, or the finite entries carry
+        ``SupportRows`` with ``T = len(start_indices)`` rows. A row holds the entries among
+        ``1..N`` above ``min_logprob``, in the engine's order (descending processed logprob), at
+        most ``W`` of them. The sampled token is not added when it is missing (the row is
+        recorded as seen). ``exact`` is True when (some of the N entries are ``-inf`` or at most
+        ``min_logprob``, or the members carry
         probability mass ``>= 1 - mass_tolerance``) and the row contains the sampled token and
         fits in ``W`` and no entry is NaN/+inf and the sampled logprob is finite. A row with more
         finite entries than ``W`` keeps its ``W`` most probable members and is inexact: the
@@ -180,7 +197,7 @@ def support_from_flat_logprobs(flat: Any, width: int, *, mass_tolerance: float =
     _check_flat_ids(ids2)
     cand, cand_lp, absent = _descending(ids2[:, 1:], lp2[:, 1:], absent)
     sampled, sampled_lp = ids2[:, 0], lp2[:, 0]
-    ids, exact = _rows_from_candidates(cand, cand_lp, absent, sampled, sampled_lp, w, mass_tolerance)
+    ids, exact = _rows_from_candidates(cand, cand_lp, absent, sampled, sampled_lp, w, mass_tolerance, min_logprob)
     return _rows_unchecked(ids, sampled.astype(np.int32), sampled_lp.astype(np.float32), exact)
 
 
@@ -294,24 +311,28 @@ def _rows_from_candidates(
     sampled_lp: np.ndarray,
     w: int,
     mass_tolerance: float,
+    min_logprob: float = UNREACHABLE_LOGPROB,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Rows int32 ``[T, W]`` (the finite candidates, at most ``W``) and ``exact`` bool ``[T]``
-    from descending candidates ``[T, N]`` and the sampled ids / logprobs ``[T]``."""
+    """Rows int32 ``[T, W]`` (the candidates above ``min_logprob``, at most ``W``) and ``exact``
+    bool ``[T]`` from descending candidates ``[T, N]`` and the sampled ids / logprobs ``[T]``."""
     t, n = cand.shape
     finite = np.isfinite(cand_lp)
-    neg_inf = cand_lp == -np.inf
+    member = finite & (cand_lp > min_logprob)
+    # An entry that cannot be drawn (-inf, or finite at or below the floor) proves that every
+    # token ranked after it cannot be drawn either: the members before it are the whole support.
+    unreachable = (cand_lp == -np.inf) | (finite & ~member)
     if absent is not None:
-        neg_inf &= ~absent
+        unreachable &= ~absent
     # Anything that is neither finite nor -inf (NaN, +inf) is not a processed logprob.
     garbage = ~(finite | (cand_lp == -np.inf)).all(axis=1)
 
-    count = np.count_nonzero(finite, axis=1)
+    count = np.count_nonzero(member, axis=1)
     ids = np.full((t, w), PAD, dtype=np.int32)
     k = min(n, w)
-    ids[:, :k] = np.where(finite[:, :k], cand[:, :k], PAD)
+    ids[:, :k] = np.where(member[:, :k], cand[:, :k], PAD)
     contains = (ids == sampled[:, None]).any(axis=1)
-    closed = neg_inf.any(axis=1)
-    mass = np.exp(np.where(finite, cand_lp, -np.inf)).sum(axis=1, dtype=np.float64)
+    closed = unreachable.any(axis=1)
+    mass = np.exp(np.where(member, cand_lp, -np.inf)).sum(axis=1, dtype=np.float64)
     exact = (closed | (mass >= 1.0 - mass_tolerance)) & contains & (count <= w) & ~garbage & np.isfinite(sampled_lp)
     return ids, exact
 

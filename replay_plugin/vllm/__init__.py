@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ChoiceReplay", "decode_choice", "decode_routes", "decode_support", "support_of"]
+__all__ = [
+    "ChoiceReplay",
+    "ReplayDataMissing",
+    "decode_choice",
+    "decode_routes",
+    "decode_stream",
+    "decode_support",
+    "support_of",
+]
 
 
 def __getattr__(name: str) -> Any:

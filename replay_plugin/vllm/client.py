@@ -6,19 +6,25 @@ Offline (``LLM.generate`` / ``AsyncLLM``)::
 
     out = llm.generate(prompts, SamplingParams(top_k=20, temperature=1.0,
                                               extra_args={"replay_sample_support": True}))
-    rows = support_of(out[0].outputs[0])          # core.support.SupportRows or None
+    rows = support_of(out[0].outputs[0])          # core.support.SupportRows
     routes = out[0].outputs[0].routed_experts      # compact ndarray (enable_return_routed_experts)
 
-Served (``POST /v1/completions`` or ``/v1/chat/completions`` with
-``"vllm_xargs": {"replay_sample_support": 1}``)::
+Served (``POST /v1/completions``, ``/v1/chat/completions`` with
+``"vllm_xargs": {"replay_sample_support": 1}``, or ``/inference/v1/generate`` with
+``"sampling_params": {"extra_args": {"replay_sample_support": true}}``)::
 
     choice = response.json()["choices"][0]
     replay = decode_choice(choice)                 # ChoiceReplay(support=SupportRows, routed_experts=ndarray)
+    replay = decode_stream(chunks)[0]              # streamed: the parsed ``data:`` objects, in order
+
+A request that asked for replay data and got none raises ``ReplayDataMissing`` (the plugin did
+not run where it was served); pass ``required=False`` / ``require_support=False`` for requests
+that did not ask.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -31,12 +37,40 @@ from ..core.wire import decode_array
 #: The ``CompletionOutput`` attribute and the served choice key of the support rows.
 SUPPORT_FIELD = "sample_support"
 ROUTES_FIELD = "routed_experts"
+#: The ``CompletionOutput`` attribute with the reason the engine core refused the request.
+REFUSED_FIELD = "_replay_plugin_refused"
+
+_CHECK = (
+    "the replay plugin did not run where the request was served (not installed there, "
+    "REPLAY_PLUGIN_DISABLE=1, VLLM_PLUGINS excluding replay_plugin where .pth files are not "
+    "processed, or a vLLM it does not patch): run `replay-plugin status --import vllm` and "
+    "`replay-plugin doctor` in the serving environment"
+)
 
 
-def support_of(output: Any) -> SupportRows | None:
-    """The support rows on a vLLM ``CompletionOutput`` (None when the request did not opt in)."""
-    rows = getattr(output, "__dict__", {}).get(SUPPORT_FIELD)
-    return rows if isinstance(rows, SupportRows) else None
+class ReplayDataMissing(ReplayDataError):
+    """A request asked for replay data and its output or response carries none."""
+
+
+def support_of(output: Any, *, required: bool = True) -> SupportRows | None:
+    """The support rows on a vLLM ``CompletionOutput``.
+
+    Raises ``ReplayDataMissing`` when there are none (the plugin did not run, or the engine
+    core refused the request: the message says which and how to check); with
+    ``required=False`` returns None instead (for requests that did not ask).
+    """
+    state = getattr(output, "__dict__", {})
+    refused = state.get(REFUSED_FIELD)
+    if refused:
+        raise ReplayDataMissing(SUPPORT_FIELD, f"the engine refused the request: {refused}")
+    rows = state.get(SUPPORT_FIELD)
+    if isinstance(rows, SupportRows):
+        return rows
+    if not required:
+        return None
+    raise ReplayDataMissing(
+        SUPPORT_FIELD, f"the output carries no support rows although the request asked for them: {_CHECK}"
+    )
 
 
 class ChoiceReplay(NamedTuple):
@@ -75,11 +109,61 @@ def decode_routes(doc: Mapping[str, Any]) -> np.ndarray:
     return decode_array(doc, dtypes=tuple(d.name for d in ROUTE_DTYPES), ndim=3)
 
 
-def decode_choice(choice: Mapping[str, Any]) -> ChoiceReplay:
-    """Replay data of one served choice (a parsed JSON object)."""
+def decode_choice(choice: Mapping[str, Any], *, require_support: bool = True) -> ChoiceReplay:
+    """Replay data of one served choice (a parsed JSON object).
+
+    Raises ``ReplayDataMissing`` when the choice has no ``sample_support`` (the server's plugin
+    did not capture it; the message says how to check) unless ``require_support=False``.
+    """
     support = choice.get(SUPPORT_FIELD)
+    if support is None and require_support:
+        raise ReplayDataMissing(
+            SUPPORT_FIELD, f"the served choice carries no support rows although the request asked for them: {_CHECK}"
+        )
     routes = choice.get(ROUTES_FIELD)
     return ChoiceReplay(
         support=decode_support(support) if support is not None else None,
         routed_experts=decode_routes(routes) if routes is not None else None,
     )
+
+
+def decode_stream(chunks: Iterable[Mapping[str, Any]], *, require_support: bool = True) -> dict[int, ChoiceReplay]:
+    """Replay data of a streamed response, per choice index: the support rows of all its chunks
+    concatenated in order (equal to the rows of the same request unstreamed) and its routes.
+
+    ``chunks`` are the parsed JSON objects of the ``data:`` events, in order (the ``[DONE]``
+    marker and error events excluded). Where chunks carry ``token_ids``, their count must equal
+    the rows' (``ReplayDataError`` otherwise). A choice without rows raises
+    ``ReplayDataMissing`` unless ``require_support=False``.
+    """
+    parts: dict[int, list[SupportRows]] = {}
+    routes: dict[int, np.ndarray] = {}
+    tokens: dict[int, int] = {}
+    seen: list[int] = []
+    for chunk in chunks:
+        for choice in chunk.get("choices") or ():
+            index = int(choice.get("index", 0))
+            if index not in seen:
+                seen.append(index)
+            if isinstance(choice.get("token_ids"), list):
+                tokens[index] = tokens.get(index, 0) + len(choice["token_ids"])
+            if choice.get(SUPPORT_FIELD) is not None:
+                parts.setdefault(index, []).append(decode_support(choice[SUPPORT_FIELD]))
+            if choice.get(ROUTES_FIELD) is not None:
+                routes[index] = decode_routes(choice[ROUTES_FIELD])
+    out = {}
+    for index in seen:
+        if index not in parts and require_support:
+            raise ReplayDataMissing(
+                SUPPORT_FIELD,
+                f"streamed choice {index} carries no support rows although the request asked for them: {_CHECK}",
+            )
+        rows = SupportRows.concat(parts[index]) if index in parts else None
+        if rows is not None and index in tokens and tokens[index] != len(rows):
+            raise ReplayDataError(
+                SUPPORT_FIELD,
+                f"streamed choice {index} has {len(rows)} support rows for {tokens[index]} tokens",
+                expected="one row per generated token",
+            )
+        out[index] = ChoiceReplay(support=rows, routed_experts=routes.get(index))
+    return out

@@ -1,13 +1,15 @@
 """Patch ``vllm.openai_fields``: replay data in ``vllm serve`` responses as ``core.wire`` documents.
 
 Gap (vLLM 0.30-0.32, no upstream fix): ``vllm serve`` has no field for a sampler support and
-returns routed experts as a base64 ``.npy`` string; nested JSON lists cost 3-4x the bytes and
-parse slowly. For an opted-in request each choice of a non-streaming completion or chat
-response gets ``sample_support`` (``ids``, ``sampled``, ``sampled_logprob``, ``exact``: one
-envelope each) and ``routed_experts`` (one envelope, compact dtype); other responses are left
-alone, and streaming responses carry no replay fields. Read them with
-:func:`replay_plugin.vllm.client.decode_choice`. Remove when vLLM serves both in a binary
-array format.
+returns routed experts as a base64 ``.npy`` string (none at all in streamed completions and
+chats); nested JSON lists cost 3-4x the bytes and parse slowly. For an opted-in request each
+choice of a completion or chat response gets ``sample_support`` (``ids``, ``sampled``,
+``sampled_logprob``, ``exact``: one envelope each) and ``routed_experts`` (one envelope,
+compact dtype); streamed, each chunk carries the rows of the tokens that arrived since the
+choice's previous chunk (``served_stream``) and the routes come with the choice's last rows.
+Other responses are left alone. Read them with :func:`replay_plugin.vllm.client.decode_choice`
+(one choice) or :func:`~replay_plugin.vllm.client.decode_stream` (chunks). Remove when vLLM
+serves both in a binary array format.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ..core.routes import compact
 from ..core.wire import encode_array
 from ..patcher import Patcher
 from . import options
-from .sample_support import sample_support
+from .sample_support_capture import sample_support
+from .served_stream import StreamReplay, encode_support, get_arg, replace_arg
 
 log = logging.getLogger("replay_plugin")
 
@@ -28,22 +31,21 @@ SUPPORT_FIELD = "sample_support"
 ROUTES_FIELD = "routed_experts"
 
 
-def encode_support(rows: Any) -> dict:
-    """``SupportRows`` -> the ``sample_support`` document of a served choice."""
-    return {
-        "ids": encode_array(rows.ids),
-        "sampled": encode_array(rows.sampled),
-        "sampled_logprob": encode_array(rows.sampled_logprob),
-        "exact": encode_array(rows.exact),
-    }
-
-
 def _request_wants_routes(request: Any) -> bool:
     try:
         return options.wants_routes(getattr(request, "vllm_xargs", None))
     except options.OptionError as exc:
         log.warning("replay_plugin: vllm.openai_fields: %s; routed experts left as vLLM serves them", exc)
         return False
+
+
+def _request_wants_replay(request: Any) -> bool:
+    """Whether a served request asked for replay data (else its stream is left untouched)."""
+    xargs = getattr(request, "vllm_xargs", None)
+    try:
+        return options.wants_support(xargs) or options.wants_routes(xargs)
+    except options.OptionError:
+        return False  # refused by the admission before any output exists
 
 
 def _fields(output: Any, routes_wanted: bool) -> dict:
@@ -134,6 +136,39 @@ async def _chat_full(wrapped, instance, args, kwargs):
         return response
 
 
+def _completion_stream(wrapped, instance, args, kwargs):
+    """``completion_stream_generator``: choice ``i`` of prompt ``p`` is ``p * n + i``."""
+    request = get_arg(args, kwargs, "request", 0)
+    if not _request_wants_replay(request):
+        return wrapped(*args, **kwargs)
+    n = request.n or 1
+    replay = StreamReplay(
+        lambda item: [(item[0] * n + o.index, o) for o in item[1].outputs], _request_wants_routes(request), mask=False
+    )
+    results = get_arg(args, kwargs, "result_generator", 2)
+    args, kwargs = replace_arg(args, kwargs, "result_generator", 2, replay.tap(results))
+    return replay.decorate(wrapped(*args, **kwargs))
+
+
+def _chat_takes_rows(choice: dict) -> bool:
+    """Chat's first chunk per choice announces the role and carries no token."""
+    delta = choice.get("delta")
+    return not (isinstance(delta, dict) and "role" in delta)
+
+
+def _chat_stream(wrapped, instance, args, kwargs):
+    """``chat_completion_stream_generator``: the choice index is the output's index."""
+    request = get_arg(args, kwargs, "request", 0)
+    if not _request_wants_replay(request):
+        return wrapped(*args, **kwargs)
+    replay = StreamReplay(lambda res: [(o.index, o) for o in res.outputs], _request_wants_routes(request), mask=False)
+    results = get_arg(args, kwargs, "result_generator", 1)
+    args, kwargs = replace_arg(args, kwargs, "result_generator", 1, replay.tap(results))
+    return replay.decorate(wrapped(*args, **kwargs), _chat_takes_rows)
+
+
 def install(patcher: Patcher) -> None:
     patcher.wrap("OpenAIServingCompletion.request_output_to_completion_response", _completion_response)
     patcher.wrap("OpenAIServingChat.chat_completion_full_generator", _chat_full)
+    patcher.wrap("OpenAIServingCompletion.completion_stream_generator", _completion_stream)
+    patcher.wrap("OpenAIServingChat.chat_completion_stream_generator", _chat_stream)

@@ -17,7 +17,8 @@ OpenAI-compatible completion or chat request, which vLLM copies into ``extra_arg
 
 ``vllm_xargs`` only carries strings and numbers, so ``1``, ``"1"``, ``"true"``, ``"yes"`` and
 ``"on"`` count as true, ``0``, ``"0"``, ``"false"``, ``"no"`` and ``"off"`` as false; anything else
-is refused with an error naming the key.
+is refused with an error naming the key. Keys starting with ``_replay_plugin`` are the plugin's
+own (:data:`PLAN_KEY`): a request that sets one is refused.
 
 Per job, environment variables (declared as knobs on the patch specs):
 
@@ -36,6 +37,9 @@ Per job, environment variables (declared as knobs on the patch specs):
 ``REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS``
     ``opt-in`` (default) or ``all``: which requests get compact (and, served, wire-encoded)
     routed experts.
+
+:func:`check_job_knobs` validates all of them; the engine configuration calls it, so a server
+with an invalid value does not start (the error names the variable).
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ ROUTES_KEY = "replay_routed_experts"
 #: ``extra_args`` key under which the plugin passes a request's capture plan from the input
 #: processor to the output processor (both in the API-server process). Never set it yourself.
 PLAN_KEY = "_replay_plugin_sample_support"
+#: Prefix of the plugin's internal ``extra_args`` keys (clients may not set them).
+INTERNAL_PREFIX = "_replay_plugin"
+#: Largest accepted ``replay_sample_support_slack`` (rows are capped at the vocabulary anyway;
+#: the bound keeps the value an int64 for vLLM's msgpack transport).
+MAX_SLACK = 1 << 20
 
 REQUESTS_ENV = "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS"
 SLACK_ENV = "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK"
@@ -101,7 +110,22 @@ class OptionError(ValueError):
 
     def __init__(self, key: str, message: str) -> None:
         self.key = key
+        self.detail = message
         super().__init__(f"{key}: {message}")
+
+
+class KnobError(OptionError):
+    """A job-wide ``REPLAY_PLUGIN_VLLM_*`` variable is invalid: a server misconfiguration, not
+    the request's fault (raised when the engine configuration is created)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        self.detail = message
+        ValueError.__init__(
+            self,
+            f"replay_plugin: invalid {key}: {message} (server configuration: fix or unset the "
+            "variable in the environment of every vLLM process)",
+        )
 
 
 def flag(value: Any, key: str) -> bool:
@@ -118,19 +142,23 @@ def flag(value: Any, key: str) -> bool:
     raise OptionError(key, f'got {value!r}; expected true/false (1/0, "true"/"false")')
 
 
-def non_negative_int(value: Any, key: str) -> int:
+def non_negative_int(value: Any, key: str, maximum: int | None = None) -> int:
+    expected = "an int >= 0" if maximum is None else f"an int in [0, {maximum}]"
+    number: int | None = None
     if isinstance(value, bool):
-        raise OptionError(key, f"got {value!r}; expected an int >= 0")
-    if isinstance(value, str):
-        value = value.strip()
-        if not value.lstrip("+").isdigit():
-            raise OptionError(key, f"got {value!r}; expected an int >= 0")
-        return int(value)
-    if isinstance(value, int) and value >= 0:
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    raise OptionError(key, f"got {value!r}; expected an int >= 0")
+        number = None
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.lstrip("+").isdigit() and len(text) < 40:
+            number = int(text)
+    elif isinstance(value, int) and value >= 0:
+        number = value
+    elif isinstance(value, float) and value.is_integer() and value >= 0:
+        number = int(value)
+    if number is None or (maximum is not None and number > maximum):
+        shown = value if not isinstance(value, str) or len(value) <= 40 else value[:40] + "..."
+        raise OptionError(key, f"got {shown!r}; expected {expected}")
+    return number
 
 
 def _env(name: str, default: str, environ: Mapping[str, str] | None) -> str:
@@ -138,30 +166,62 @@ def _env(name: str, default: str, environ: Mapping[str, str] | None) -> str:
     return env.get(name, default)
 
 
+def _knob(read: Any) -> Any:
+    try:
+        return read()
+    except KnobError:
+        raise
+    except OptionError as exc:
+        raise KnobError(exc.key, exc.detail) from None
+
+
 def job_mode(environ: Mapping[str, str] | None = None) -> str:
     """``""`` (not opted in), ``"opt-in"`` or ``"all"``."""
     value = _env(REQUESTS_ENV, "", environ).strip().lower()
     if value not in _MODES:
-        raise OptionError(REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all' (or unset)")
+        raise KnobError(REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all' (or unset)")
     return value
 
 
 def job_slack(environ: Mapping[str, str] | None = None) -> int:
-    return non_negative_int(_env(SLACK_ENV, str(DEFAULT_SLACK), environ), SLACK_ENV)
+    return _knob(lambda: non_negative_int(_env(SLACK_ENV, str(DEFAULT_SLACK), environ), SLACK_ENV, MAX_SLACK))
 
 
 def job_max_width(environ: Mapping[str, str] | None = None) -> int:
-    width = non_negative_int(_env(MAX_WIDTH_ENV, str(DEFAULT_MAX_WIDTH), environ), MAX_WIDTH_ENV)
+    width = _knob(lambda: non_negative_int(_env(MAX_WIDTH_ENV, str(DEFAULT_MAX_WIDTH), environ), MAX_WIDTH_ENV))
     if width < 2:
-        raise OptionError(MAX_WIDTH_ENV, f"got {width}; expected an int >= 2")
+        raise KnobError(MAX_WIDTH_ENV, f"got {width}; expected an int >= 2")
     return width
 
 
 def routes_mode(environ: Mapping[str, str] | None = None) -> str:
     value = _env(ROUTES_REQUESTS_ENV, "opt-in", environ).strip().lower()
     if value not in ("opt-in", "all"):
-        raise OptionError(ROUTES_REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all'")
+        raise KnobError(ROUTES_REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all'")
     return value
+
+
+def check_job_knobs(environ: Mapping[str, str] | None = None) -> None:
+    """Raise ``KnobError`` (naming the variable) when any job-wide knob is invalid."""
+    job_mode(environ)
+    job_slack(environ)
+    job_max_width(environ)
+    routes_mode(environ)
+
+
+def check_request_keys(extra_args: Mapping[str, Any] | None) -> None:
+    """Refuse (``OptionError`` naming the key) an internal key set by the client and any replay
+    key whose value cannot be read. Reads no environment variable."""
+    if not extra_args:
+        return
+    for key in extra_args:
+        if isinstance(key, str) and key.startswith(INTERNAL_PREFIX):
+            raise OptionError(key, "is an internal key of replay_plugin; requests cannot set it")
+    for key in (SUPPORT_KEY, ROUTES_KEY):
+        if key in extra_args:
+            flag(extra_args[key], key)
+    if SLACK_KEY in extra_args:
+        non_negative_int(extra_args[SLACK_KEY], SLACK_KEY, MAX_SLACK)
 
 
 def wants_support(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
@@ -173,17 +233,29 @@ def wants_support(extra_args: Mapping[str, Any] | None, environ: Mapping[str, st
 
 def request_slack(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> int:
     if extra_args and SLACK_KEY in extra_args:
-        return non_negative_int(extra_args[SLACK_KEY], SLACK_KEY)
+        return non_negative_int(extra_args[SLACK_KEY], SLACK_KEY, MAX_SLACK)
     return job_slack(environ)
 
 
 def wants_routes(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
-    """Does this request get compact, wire-encodable routed experts?"""
+    """Does this request get compact, wire-encodable routed experts?
+
+    ``replay_routed_experts`` decides when present; else a captured request (plan) does; else
+    ``replay_sample_support`` true implies routes and false opts the request out of
+    ``REQUESTS=all`` (only ``ROUTES_REQUESTS=all`` still gives it compact routes).
+    """
     if extra_args:
         if ROUTES_KEY in extra_args:
             return flag(extra_args[ROUTES_KEY], ROUTES_KEY)
         if PLAN_KEY in extra_args:
             return True
-        if SUPPORT_KEY in extra_args and flag(extra_args[SUPPORT_KEY], SUPPORT_KEY):
-            return True
+        if SUPPORT_KEY in extra_args:
+            return flag(extra_args[SUPPORT_KEY], SUPPORT_KEY) or routes_mode(environ) == "all"
     return routes_mode(environ) == "all" or job_mode(environ) == "all"
+
+
+def explicit_routes(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
+    """Does this request ask for compact routes by itself (its key, or ``ROUTES_REQUESTS=all``)?"""
+    if extra_args and ROUTES_KEY in extra_args:
+        return flag(extra_args[ROUTES_KEY], ROUTES_KEY)
+    return routes_mode(environ) == "all"

@@ -4,7 +4,8 @@ Gap: vLLM (``enable_return_routed_experts``) returns routes as uint8/uint16 on t
 only, and vLLM 0.30 drops them when ``AsyncLLM`` merges ``DELTA`` outputs a slow consumer has not
 collected (fixed in 0.32, where that wrapper is not installed). For opted-in requests the patch
 converts them with ``core.routes.compact`` (validated; the dtype the trainer side uses) and
-carries them through the merge; other requests stay stock. Remove when the oldest supported
+carries them through the merge; other requests (also one that opts out of
+``REQUESTS=all`` with ``"replay_sample_support": false``) stay stock, merges included. Remove when the oldest supported
 vLLM keeps routes through delta merges and trainers accept vLLM's uint16.
 """
 
@@ -40,6 +41,9 @@ def _new_state(wrapped, instance, args, kwargs):
     params = getattr(request, "sampling_params", None)
     if params is not None and opted_in(params):
         state.__dict__[_FLAG] = True
+        queue = getattr(state, "queue", None)
+        if queue is not None and hasattr(queue, "__dict__"):
+            queue.__dict__[_FLAG] = True  # the collector merges this request's deltas
     return state
 
 
@@ -55,6 +59,8 @@ def _compact_outputs(wrapped, instance, args, kwargs):
 
 
 def _keep_routes_on_merge(wrapped, instance, args, kwargs):
+    if not instance.__dict__.get(_FLAG):
+        return wrapped(*args, **kwargs)
     output = args[0] if args else kwargs["output"]
     previous = instance.output
     routes = {}

@@ -14,7 +14,9 @@ Upstream: vLLM >= 0.28 ``return_sampling_mask`` (PR #49577) is exact but needs M
 runner the supported versions use.
 
 Two modules do the work: ``sample_support_admission`` (engine fitting, per-request plan or
-refusal) and ``sample_support_capture`` (logprob rows -> support rows on the outputs).
+refusal) and ``sample_support_capture`` (logprob rows -> support rows on the outputs, in
+``O(new tokens)`` per output whatever the output kind; an engine core's refusal raised to the
+caller).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from __future__ import annotations
 from ..patcher import Patcher
 from . import sample_support_admission as admission
 from . import sample_support_capture as capture
-from .sample_support_admission import SampleSupportRefused, plan_request  # noqa: F401 - public names
+from .refusal import SampleSupportRefused  # noqa: F401 - public names
+from .sample_support_admission import plan_request  # noqa: F401 - public names
 from .sample_support_capture import (  # noqa: F401 - public names
     OUTPUT_ATTR,
+    REFUSED_ATTR,
     _rows_from_arrays,
     capture_stats,
     reset_capture_stats,
@@ -39,4 +43,5 @@ def install(patcher: Patcher) -> None:
     patcher.wrap("LogprobsProcessor.from_new_request", capture._new_processor)
     patcher.wrap("LogprobsProcessor._update_sample_logprobs", capture._capture_step)
     patcher.wrap("RequestState._new_completion_output", capture._attach)
+    patcher.wrap("RequestState.make_request_output", capture._engine_refusal)
     patcher.wrap("RequestOutput.add", capture._merge_deltas)

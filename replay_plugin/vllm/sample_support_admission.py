@@ -13,51 +13,21 @@ from typing import Any
 from .. import states
 from ..core.sampler import check_replayable
 from . import options
+from .refusal import SampleSupportRefused, refusal
 from .sample_support_capture import count_request
+
+__all__ = ["SampleSupportRefused", "plan_request"]
 
 log = logging.getLogger("replay_plugin")
 
 
 PROCESSED = "processed_logprobs"
-
-
-class SampleSupportRefused(ValueError):
-    """A request opted into support capture with settings that cannot be replayed.
-
-    ``setting`` names the sampler or engine setting (``temperature``, ``top_k``,
-    ``logprobs_mode``...). The class actually raised also derives from vLLM's
-    ``VLLMValidationError`` so that the OpenAI server answers HTTP 400.
-    """
-
-    setting: str | None = None
-
-
-_refusal_class: type | None = None
-
-
-def _refusal(message: str, setting: str | None, value: Any = None) -> SampleSupportRefused:
-    global _refusal_class
-    if _refusal_class is None:  # vLLM is imported by now: this code runs inside its front end
-        from vllm.exceptions import VLLMValidationError
-
-        class Refused(SampleSupportRefused, VLLMValidationError):
-            def __init__(self, message: str, *, parameter: str | None = None, value: Any = None) -> None:
-                VLLMValidationError.__init__(self, message, parameter=parameter, value=value)
-                self.setting = parameter
-
-        Refused.__name__ = Refused.__qualname__ = "SampleSupportRefused"
-        _refusal_class = Refused
-    return _refusal_class(message, parameter=setting, value=value)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning("replay_plugin: %s", message)
-        states.note(message)
+#: vLLM forces a token by setting its logit to 1e9 before temperature (thinking budget, vLLM
+#: 0.30-0.32 ``v1/sample/thinking_budget_state.py``). Capture drops members whose processed
+#: logprob is at most ``core.support.UNREACHABLE_LOGPROB`` (-1000), which makes a forced row the
+#: forced token alone; the other tokens sit near ``-1e9 / T``, so that holds for T up to ~1e6.
+#: Above this temperature a budgeted request is refused rather than risk a wrong exact row.
+MAX_FORCING_TEMPERATURE = 1e4
 
 
 # --------------------------------------------------------------------------- engine configuration
@@ -66,13 +36,12 @@ def _warn_once(message: str) -> None:
 def _fit_engine(wrapped, instance, args, kwargs):
     """``EngineArgs.create_engine_config``: for a job that opted in, processed logprobs and
     ``max_logprobs >= MAX_WIDTH`` (logged, noted in the status file); the caller's
-    ``EngineArgs`` is left as it was. Other jobs get the configuration they asked for."""
-    try:
-        mode = options.job_mode()
-        max_width = options.job_max_width() if mode else 0
-    except options.OptionError as exc:
-        log.warning("replay_plugin: vllm.sample_support: %s; engine configuration left unchanged", exc)
-        mode = ""
+    ``EngineArgs`` is left as it was. Other jobs get the configuration they asked for. An
+    invalid ``REPLAY_PLUGIN_VLLM_*`` value raises ``KnobError`` naming it: the engine (and
+    ``vllm serve``, headless engines included) does not start misconfigured."""
+    options.check_job_knobs()
+    mode = options.job_mode()
+    max_width = options.job_max_width() if mode else 0
     if not mode:
         return wrapped(*args, **kwargs)
     saved: dict[str, Any] = {}
@@ -114,19 +83,30 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
         return None
     try:
         slack = options.request_slack(extra)
+    except options.KnobError:
+        raise
     except options.OptionError as exc:
-        raise _refusal(f"replay_plugin: {exc}", exc.key) from None
+        raise refusal(f"replay_plugin: {exc}", exc.key) from None
     model_config = getattr(vllm_config, "model_config", None)
     where = f"request opted into sample-support capture ({options.SUPPORT_KEY!r} or {options.REQUESTS_ENV}=all)"
     # vLLM 0.30/0.32 ``Sampler.forward``: when any request of a step sets logprob_token_ids, the
     # step's logprob rows of *every* request are the listed-id rows ("prefer
-    # logprob_token_ids"); a request of our own cannot be captured then. Other requests that
-    # set it make our rows lack their members: caught by the exactness proof (flagged, counted).
+    # logprob_token_ids"); a request of our own cannot be captured then. Other requests' ids
+    # no longer replace our rows: the ``vllm.sampler_rows`` patch keeps top-k rows for them.
     if getattr(params, "logprob_token_ids", None):
-        raise _refusal(
+        raise refusal(
             f"{where} but sampler setting 'logprob_token_ids' is not replayable with it: vLLM "
             "then replaces the top-k logprob rows of the whole batch by the listed ids",
             "logprob_token_ids",
+        )
+    forced = getattr(params, "thinking_token_budget", None) is not None
+    if forced and isinstance(params.temperature, (int, float)) and params.temperature > MAX_FORCING_TEMPERATURE:
+        raise refusal(
+            f"{where} but sampler setting 'temperature'={params.temperature} with "
+            "'thinking_token_budget' is not replayable: tokens vLLM forces at the end of the "
+            f"budget are recorded exactly only for temperature <= {MAX_FORCING_TEMPERATURE:g}",
+            "temperature",
+            params.temperature,
         )
     top_k = params.top_k
     width = _support_width(top_k, slack, model_config)
@@ -139,10 +119,12 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
             hint = f" (set {options.REQUESTS_ENV}=opt-in before the engine starts and the plugin fits the engine)"
         if setting == "max_logprobs":
             hint = f" (W = top_k {top_k} + slack {slack})" + hint
-        raise _refusal(f"{where} but {exc}{hint}", setting) from None
+        raise refusal(f"{where} but {exc}{hint}", setting) from None
     assert width is not None  # check_replayable refuses top_k <= 1
     user = params.logprobs
-    native = bool(getattr(model_config, "return_sampling_mask", False))
+    # vLLM's native mask (Model Runner V2) lists the top-k survivors of a forced position, not
+    # the forced token alone: budgeted requests are captured from logprobs instead.
+    native = bool(getattr(model_config, "return_sampling_mask", False)) and not forced
     if user == -1:
         internal = -1
     elif native:
@@ -153,17 +135,17 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
 
 
 def _opts_in(extra: dict | None) -> bool:
-    """Whether a request (its ``extra_args``) asks for capture; a bad value of its own key is
-    refused, a bad job-wide knob is reported once and treated as off."""
+    """Whether a request (its ``extra_args``) asks for capture. A bad value of a replay key, or
+    an internal key, is refused naming the key. A bad job-wide knob raises ``KnobError`` (a
+    server misconfiguration: the engine does not start with one; this is reached only when the
+    environment changed after start-up)."""
     try:
+        options.check_request_keys(extra)
         return options.wants_support(extra)
+    except options.KnobError:
+        raise
     except options.OptionError as exc:
-        if exc.key != options.REQUESTS_ENV:  # the request's own key: refuse it
-            raise _refusal(f"replay_plugin: {exc}", exc.key) from None
-        _warn_once(
-            f"vllm.sample_support: {exc}; requests that do not set {options.SUPPORT_KEY!r} are not captured"
-        )  # a typo in the job's knob must not fail every request
-        return False
+        raise refusal(f"replay_plugin: {exc}", exc.key) from None
 
 
 def _support_width(top_k: Any, slack: int, model_config: Any) -> int | None:

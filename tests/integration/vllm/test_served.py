@@ -163,3 +163,226 @@ def test_every_server_process_is_activated(server):
     assert api["vllm.sample_support"] == api["vllm.openai_fields"] == api["vllm.routed_experts"] == "applied"
     for role in ("engine_core", "worker"):  # activated (the pack is loaded), nothing to patch there
         assert {"vllm.sample_support", "vllm.routed_experts", "vllm.openai_fields"} <= set(by_role[role])
+
+
+# --------------------------------------------------------------------------- streamed responses
+
+
+def _same_rows(a, b):
+    for name in ("ids", "sampled", "sampled_logprob", "exact"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+def _chunk_rows(chunks):
+    """Per chunk choice that carries tokens: (token ids, decoded rows or None)."""
+    from replay_plugin.vllm.client import decode_support
+
+    out = []
+    for chunk in chunks:
+        for choice in chunk.get("choices") or ():
+            if choice.get("token_ids"):
+                doc = choice.get("sample_support")
+                out.append((choice["token_ids"], decode_support(doc) if doc is not None else None))
+    return out
+
+
+def test_streamed_completion_chunks_carry_their_rows(server):
+    """Stock vLLM streams no replay data (a stream that does not opt in still has none). Opted
+    in, each chunk carries the rows of its own tokens, in the same envelopes, and the rows of a
+    choice's chunks concatenated equal the unstreamed response's (same seeded request)."""
+    from replay_plugin.vllm.client import decode_choice, decode_stream
+
+    body = dict(prompt=PROMPTS, n=2, max_tokens=10, temperature=1.0, top_k=5, seed=11, return_token_ids=True)
+    code, plain, _ = server.stream("/v1/completions", {"model": server_model(server), **body})
+    assert code == 200 and plain
+    assert not any("sample_support" in c or "routed_experts" in c for ch in plain for c in ch.get("choices", []))
+
+    code, chunks, _ = server.stream("/v1/completions", {"model": server_model(server), **body, "vllm_xargs": XARGS})
+    assert code == 200
+    per_chunk = _chunk_rows(chunks)
+    assert len(per_chunk) > 8
+    for tokens, rows in per_chunk:  # every chunk's rows are those of its own tokens
+        assert rows is not None and rows.sampled.tolist() == tokens and rows.exact.all()
+    streamed = decode_stream(chunks)
+    code, doc, _ = _completion(server, **body, vllm_xargs=XARGS)
+    assert code == 200 and len(doc["choices"]) == len(streamed) == 4
+    for choice in doc["choices"]:
+        whole = decode_choice(choice)
+        assert np.asarray(choice["token_ids"]).tolist() == streamed[choice["index"]].support.sampled.tolist()
+        _same_rows(streamed[choice["index"]].support, whole.support)
+        if routes_supported():  # routes come once, with the choice's last rows
+            assert np.array_equal(streamed[choice["index"]].routed_experts, whole.routed_experts)
+
+
+def test_streamed_chat_chunks_carry_their_rows(server):
+    from replay_plugin.vllm.client import decode_choice, decode_stream
+
+    body = {
+        "model": server_model(server),
+        "messages": [{"role": "user", "content": "what is two plus two?"}],
+        "max_tokens": 10,
+        "temperature": 1.0,
+        "top_k": 5,
+        "seed": 5,
+        "n": 2,
+        "return_token_ids": True,
+        "vllm_xargs": XARGS,
+    }
+    code, chunks, _ = server.stream("/v1/chat/completions", body)
+    assert code == 200
+    first = [c for ch in chunks for c in ch["choices"] if "role" in (c.get("delta") or {})]
+    assert first and not any("sample_support" in c for c in first)  # the role chunk has no token
+    for tokens, rows in _chunk_rows(chunks):
+        assert rows is not None and rows.sampled.tolist() == tokens
+    streamed = decode_stream(chunks)
+    code, doc, _ = server.post("/v1/chat/completions", body)
+    assert code == 200
+    for choice in doc["choices"]:
+        _same_rows(streamed[choice["index"]].support, decode_choice(choice).support)
+
+
+# --------------------------------------------------------------------------- /inference/v1/generate
+
+
+def _generate_body(server, extra_args=None, **kw):
+    tokens = [int(t) for t in np.random.default_rng(3).integers(10, 300, size=6)]
+    params = {"top_k": 5, "temperature": 1.0, "seed": 9, "max_tokens": 10, **kw}
+    if extra_args is not None:
+        params["extra_args"] = extra_args
+    return {"model": server_model(server), "token_ids": tokens, "sampling_params": params}
+
+
+def test_generate_endpoint_fills_vllms_sampling_mask(server):
+    """vLLM's token-in/token-out endpoint has a ``sampling_mask`` field (per generated token the
+    ids the sampler could draw) that only Model Runner V2 fills: null here, stock. Opted in, it
+    is filled in vLLM's format (ascending ids), streamed or not, with the plugin's envelopes
+    beside it (exactness, sampled logprobs) and compact routes; the streamed masks and rows,
+    concatenated, equal the unstreamed ones."""
+    from replay_plugin.vllm.client import decode_choice, decode_stream
+
+    code, plain, _ = server.post("/inference/v1/generate", _generate_body(server))
+    assert code == 200, plain
+    choice = plain["choices"][0]
+    assert choice["sampling_mask"] is None and "sample_support" not in choice
+    if routes_supported():
+        assert isinstance(choice["routed_experts"], str)  # vLLM's base64 .npy
+
+    body = _generate_body(server, extra_args={"replay_sample_support": True})
+    code, doc, _ = server.post("/inference/v1/generate", body)
+    assert code == 200, doc
+    choice = doc["choices"][0]
+    replay = decode_choice(choice)
+    rows = replay.support
+    assert rows.sampled.tolist() == choice["token_ids"] and rows.exact.all()
+    mask = choice["sampling_mask"]
+    assert len(mask) == len(choice["token_ids"])
+    for members, row, token in zip(mask, rows.ids, choice["token_ids"]):
+        assert members == sorted(members) and set(members) == set(row[row >= 0].tolist()) and token in members
+        assert len(members) >= 5
+    if routes_supported():
+        assert replay.routed_experts.dtype == np.uint8
+        assert replay.routed_experts.shape == (len(body["token_ids"]) + len(choice["token_ids"]) - 1, 2, 2)
+
+    code, chunks, _ = server.stream("/inference/v1/generate", body)
+    assert code == 200
+    streamed = decode_stream(chunks)[0]
+    _same_rows(streamed.support, rows)
+    assert [m for ch in chunks for c in ch["choices"] for m in (c.get("sampling_mask") or [])] == mask
+    if routes_supported():
+        assert np.array_equal(streamed.routed_experts, replay.routed_experts)
+
+
+# --------------------------------------------------------------------------- untrusted input, uncovered endpoints
+
+
+MALFORMED = [
+    {"replay_sample_support": "perhaps"},
+    {"replay_sample_support": [1, 2]},
+    {"replay_sample_support": 2},
+    {"replay_sample_support": 1.5},
+    {"replay_sample_support": ""},
+    {"replay_sample_support": "1" * 5000},
+    {"replay_sample_support": [1] * 5000},
+    {"replay_sample_support": 1, "replay_sample_support_slack": -1},
+    {"replay_sample_support": 1, "replay_sample_support_slack": "lots"},
+    {"replay_sample_support": 1, "replay_sample_support_slack": 1e30},
+    {"replay_sample_support": 1, "replay_sample_support_slack": 2**62},
+    {"replay_sample_support": 1, "replay_sample_support_slack": "9" * 60},
+    {"replay_sample_support": 1, "replay_sample_support_slack": 300},
+    {"replay_routed_experts": "x"},
+    {"replay_routed_experts": [0]},
+    {"_replay_plugin_sample_support": "x"},
+    {"_replay_plugin_sample_support": 1},
+    {"replay_sample_support": 1, "_replay_plugin_sample_support": "x"},
+    {"_replay_plugin_anything": [1, 2, 3]},
+]
+# extra_args of /inference/v1/generate take any JSON: nesting, and a forged capture plan
+NESTED = [
+    {"replay_sample_support": {"a": [1, {"b": 2}]}},
+    {"replay_sample_support": None},
+    {"replay_sample_support": True, "replay_sample_support_slack": {"x": 1}},
+    {"_replay_plugin_sample_support": {"width": 3, "user_logprobs": None, "internal_logprobs": 3, "native": False}},
+    {"_replay_plugin_sample_support": {"width": "x"}, "replay_sample_support": True},
+    {"replay_sample_support": [[[[[]]]]]},
+]
+
+
+def test_malformed_replay_keys_get_400_and_the_server_keeps_serving(server):
+    """Fuzz: malformed values of the replay keys (types, sizes, nesting) and the plugin's
+    internal keys, through vllm_xargs (completions, chat, streamed or not) and extra_args
+    (/inference/v1/generate). Only 200 or 400, never 500; each 400 names the key; the server
+    then still serves opted-in requests. (A client-set internal key gave HTTP 500 before.)"""
+    from replay_plugin.vllm.client import decode_choice
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "top_k": 5}
+    codes = []
+    for xargs in MALFORMED:
+        for path, body in (
+            ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "top_k": 5}),
+            ("/v1/chat/completions", chat),
+        ):
+            code, doc, _ = server.post(path, {"model": server_model(server), **body, "vllm_xargs": xargs})
+            codes.append(code)
+            assert code in (200, 400), (path, xargs, code, doc)
+            if code == 400:
+                text = json.dumps(doc)
+                assert any(key in text for key in xargs) or "vllm_xargs" in text, (xargs, text)
+        code, chunks, _ = server.stream(
+            "/v1/completions",
+            {"model": server_model(server), "prompt": PROMPTS[0], "max_tokens": 4, "top_k": 5, "vllm_xargs": xargs},
+        )
+        assert code in (200, 400), (xargs, code)
+        if code == 200 and any("error" in c for c in chunks):  # refused inside the stream, before any token
+            error = next(c["error"] for c in chunks if "error" in c)
+            assert error.get("code") == 400 and not any(c.get("choices") for c in chunks), (xargs, chunks)
+    for extra in MALFORMED + NESTED:
+        code, doc, _ = server.post("/inference/v1/generate", _generate_body(server, extra_args=extra))
+        codes.append(code)
+        assert code in (200, 400), (extra, code, doc)
+    assert codes.count(400) > len(codes) // 2
+    assert server.proc.poll() is None
+    code, doc, _ = _completion(server, prompt=PROMPTS[:1], vllm_xargs=XARGS)
+    assert code == 200 and decode_choice(doc["choices"][0]).support.exact.all()
+
+
+def test_endpoints_without_replay_data_refuse_opted_in_requests(server):
+    """Beam search rebuilds its sampling parameters without vllm_xargs and the Responses /
+    Anthropic APIs build their own responses: stock vLLM served opted-in requests there without
+    replay data; now they are refused before compute, naming the endpoint."""
+    model = server_model(server)
+    beam = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "use_beam_search": True, "n": 2}
+    code, doc, _ = server.post("/v1/completions", beam)
+    assert code == 200, doc  # not opted in: beam search works as in stock vLLM
+    assert "sample_support" not in doc["choices"][0]
+    code, doc, _ = server.post("/v1/completions", {**beam, "vllm_xargs": XARGS})
+    assert code == 400 and "beam search" in json.dumps(doc), doc
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    code, doc, _ = server.post("/v1/chat/completions", {**chat, "use_beam_search": True, "vllm_xargs": XARGS})
+    assert code == 400 and "beam search" in json.dumps(doc), doc
+    code, doc, _ = server.post(
+        "/v1/responses", {"model": model, "input": "hi", "max_output_tokens": 4, "vllm_xargs": XARGS}
+    )
+    assert code == 400 and "Responses API" in json.dumps(doc), doc
+    messages = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": XARGS}
+    code, doc, _ = server.post("/v1/messages", messages)
+    assert code == 400 and "AnthropicServingMessages" in json.dumps(doc), doc

@@ -184,6 +184,32 @@ def test_full_mass_without_neg_inf_is_exact_and_tolerance_is_respected():
     assert support_from_flat_logprobs(flat_from_engine([lp], 3, sampled=[0]), 3).exact.tolist() == [False]
 
 
+def test_forced_token_row_is_the_forced_token_alone():
+    """vLLM forces a token (thinking budget) by setting its logit to 1e9 before temperature and
+    top-k: the other top-k tokens keep finite processed logprobs near -1e9 / T. Keeping them
+    (floor -inf, the behaviour before UNREACHABLE_LOGPROB) records a k-member row flagged exact,
+    and the trainer then gives the forced token its natural share; with the floor the row is the
+    forced token alone, exact, with logprob 0."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=50).astype(np.float32) * 3
+    logits[7] = 1e9  # the forced token
+    lp = processed_logprobs(logits, 0.7, top_k=5)
+    assert np.isfinite(lp).sum() == 5 and lp[7] == 0.0
+    flat = flat_from_engine([lp], 8, sampled=[7])
+    unfloored = support_from_flat_logprobs(flat, 8, min_logprob=NEG_INF)
+    assert (unfloored.ids[0] >= 0).sum() == 5 and unfloored.exact.tolist() == [True]  # the silent error
+    rows = support_from_flat_logprobs(flat, 8)
+    assert rows.ids.tolist() == [[7, -1, -1, -1, -1, -1, -1, -1]]
+    assert rows.exact.tolist() == [True] and rows.sampled_logprob.tolist() == [0.0]
+    # the unreachable members also prove the row complete when the row is too narrow for them
+    narrow = support_from_flat_logprobs(flat_from_engine([lp], 2, sampled=[7]), 2)
+    assert narrow.ids.tolist() == [[7, -1]] and narrow.exact.tolist() == [True]
+    # a natural row keeps every finite member, whatever its probability
+    natural = processed_logprobs(np.array([30.0, 0.0, -200.0, -900.0, -5000.0]), 1.0, top_k=4)
+    kept = support_from_flat_logprobs(flat_from_engine([natural], 4, sampled=[0]), 4)
+    assert row_set(kept.ids[0]) == {0, 1, 2, 3} and kept.exact.tolist() == [True]
+
+
 def test_width_smaller_and_larger_than_n():
     lp = processed_logprobs(np.array([4.0, 3.0, 2.0, 1.0, 0.0, -1.0]), 1.0, top_k=4)
     flat = flat_from_engine([lp, lp], 4, sampled=[0, 3])

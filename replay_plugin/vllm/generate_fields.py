@@ -1,0 +1,111 @@
+"""Patch ``vllm.generate_fields``: ``/inference/v1/generate`` (token in, token out) returns the
+sampler support of opted-in requests, in vLLM's own ``sampling_mask`` field.
+
+Gap (vLLM 0.30-0.32): the endpoint RL frameworks use has a ``sampling_mask`` field (per
+generated token, the list of token ids the sampler could draw) but fills it only on Model Runner
+V2 (GPU) with ``--return-sampling-mask``; on the V1 runner and on CPU it is null, and a
+``sampling_params.extra_args.replay_sample_support`` request got nothing (streamed or not; 0.30
+does not even stream the field). For an opted-in request each choice (each chunk, streamed) gets
+``sampling_mask`` in vLLM's format (ids ascending) where vLLM did not fill it, so clients written
+for Model Runner V2 work unchanged, plus the plugin's ``sample_support`` envelopes beside it
+(``exact`` says which mask rows are the whole support, ``sampled_logprob`` the rollout logprob)
+and ``routed_experts`` as a compact wire envelope (instead of vLLM's base64 ``.npy``), as on the
+OpenAI endpoints. Remove when the native mask works on every runner the supported versions use.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..core.routes import compact
+from ..core.wire import encode_array
+from ..patcher import Patcher
+from . import options
+from .openai_fields import _rebuild, _replay_model
+from .sample_support_capture import sample_support
+from .served_stream import (
+    MASK_FIELD,
+    ROUTES_FIELD,
+    SUPPORT_FIELD,
+    StreamReplay,
+    encode_support,
+    get_arg,
+    native_mask,
+    replace_arg,
+)
+
+log = logging.getLogger("replay_plugin")
+
+
+def _wants(request: Any) -> tuple[bool, bool]:
+    """(replay data at all, routes) for a ``GenerateRequest``."""
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    try:
+        routes = options.wants_routes(extra)
+        return options.wants_support(extra) or routes, routes
+    except options.OptionError:
+        return False, False  # refused by the admission before any output exists
+
+
+def _choice_fields(output: Any, choice: Any, routes_wanted: bool) -> dict:
+    fields: dict[str, Any] = {}
+    rows = sample_support(output)
+    if rows is not None:
+        fields[SUPPORT_FIELD] = encode_support(rows)
+        if getattr(choice, MASK_FIELD, None) is None:
+            fields[MASK_FIELD] = native_mask(rows)
+    routes = getattr(output, "routed_experts", None)
+    if routes is not None and (routes_wanted or rows is not None):
+        fields[ROUTES_FIELD] = encode_array(compact(routes))
+    return fields
+
+
+async def _full(wrapped, instance, args, kwargs):
+    """``serve_tokens_full_generator``: the last engine output of each choice decorates it."""
+    request = get_arg(args, kwargs, "request", 0)
+    wanted, routes_wanted = _wants(request)
+    if not wanted:
+        return await wrapped(*args, **kwargs)
+    last: list[Any] = []
+
+    async def tap(results):
+        async for res in results:
+            last[:] = [res]
+            yield res
+
+    args, kwargs = replace_arg(args, kwargs, "result_generator", 1, tap(get_arg(args, kwargs, "result_generator", 1)))
+    response = await wrapped(*args, **kwargs)
+    if not last or not getattr(response, "choices", None):
+        return response
+    try:
+        by_index = {o.index: o for o in last[0].outputs}
+        fields = [
+            _choice_fields(by_index[c.index], c, routes_wanted) if c.index in by_index else {} for c in response.choices
+        ]
+        if not any(fields):
+            return response
+        choice_cls = _replay_model(type(response.choices[0]), routed_experts=Any, sample_support=Any)
+        choices = [_rebuild(c, choice_cls, f) for c, f in zip(response.choices, fields)]
+        response_cls = _replay_model(type(response), choices=list[choice_cls])
+        return _rebuild(response, response_cls, {"choices": choices})
+    except Exception:
+        log.exception("replay_plugin: vllm.generate_fields: could not add replay fields to a generate response")
+        return response
+
+
+def _stream(wrapped, instance, args, kwargs):
+    """``serve_tokens_stream_generator``: fields per chunk (``served_stream``)."""
+    request = get_arg(args, kwargs, "request", 0)
+    wanted, routes_wanted = _wants(request)
+    if not wanted:
+        return wrapped(*args, **kwargs)
+    replay = StreamReplay(lambda res: [(o.index, o) for o in res.outputs], routes_wanted, mask=True)
+    results = get_arg(args, kwargs, "result_generator", 1)
+    args, kwargs = replace_arg(args, kwargs, "result_generator", 1, replay.tap(results))
+    return replay.decorate(wrapped(*args, **kwargs))
+
+
+def install(patcher: Patcher) -> None:
+    patcher.wrap("ServingTokens.serve_tokens_full_generator", _full)
+    patcher.wrap("ServingTokens.serve_tokens_stream_generator", _stream)

@@ -1,0 +1,121 @@
+"""Patch ``vllm.request_guard``: a request that asks for replay data and cannot get it is refused
+before compute, with the reason and the fix.
+
+Gap (vLLM 0.30-0.32, and every version the capture patches do not support): vLLM ignores
+``extra_args`` keys it does not know, so a request that sets ``replay_sample_support`` is served
+without replay data whenever the capture patches are not in place (vLLM outside their range,
+toggled off, failed to apply, reverted, or replaced by another library since), and the plugin's
+internal key is settable by any client (a string there gave HTTP 500 on 0.30). This guard is
+small and has a wide version range (no upper bound) so that it stays when the capture patches
+are skipped: it checks the request's replay keys (bad values and internal keys are refused
+naming the key) and refuses a request that wants replay data while a patch it needs is not
+applied in this process (the capture patch; the compact-routes patch when routes are asked for
+explicitly; the serving patches when the OpenAI server is loaded). Remove with the last capture
+patch.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .. import registry, states
+from ..patcher import Patcher
+from . import options
+from .refusal import refusal
+
+#: Patch states that serve replay data.
+_SERVING = ("applied", "not-needed")
+#: Patches a served request needs when their trigger module is loaded in this process.
+_SERVED = {
+    "vllm.openai_fields": "vllm.entrypoints.openai.completion.serving",
+    "vllm.served_endpoints": "vllm.entrypoints.openai.chat_completion.serving",
+    "vllm.generate_fields": "vllm.entrypoints.scale_out.token_in_token_out.serving",
+}
+
+
+def _fix(name: str, state: str, reason: str) -> str:
+    env = "REPLAY_PLUGIN_" + name.upper().replace(".", "_")
+    if state == "skipped-version":
+        return (
+            "install a replay-plugin release whose compat_matrix.yaml supports this vLLM, or run "
+            "a supported vLLM (REPLAY_PLUGIN_ALLOW_UNSUPPORTED=1 applies the patch untested)"
+        )
+    if state == "disabled":
+        return f"unset {env} (or set it to 1) in every vLLM process"
+    if state == "reverted":
+        return "call replay_plugin.activate() again"
+    if state == "replaced":
+        return (
+            "another library replaced a function the patch wraps after the plugin patched it: let "
+            "that library patch first and the plugin after (replay_plugin.deactivate() then "
+            "replay_plugin.activate()), or turn that library's patch off"
+        )
+    return "see `replay-plugin status --import vllm` and `replay-plugin doctor`"
+
+
+def missing_patches(wants_support: bool, wants_routes: bool) -> list[str]:
+    """The patches this request needs that are not serving in this process, with reason and fix."""
+    needed = []
+    if wants_support:
+        needed.append("vllm.sample_support")
+    if wants_routes:
+        needed.append("vllm.routed_experts")
+    needed += [name for name, module in _SERVED.items() if module in sys.modules]
+    problems = []
+    for name in needed:
+        st = states.get(name)
+        if st is None:
+            problems.append(f"patch {name} is not registered in this process (is replay-plugin installed here?)")
+        elif st.state not in _SERVING:
+            version = f" (vLLM {st.version})" if st.version else ""
+            problems.append(f"patch {name} is {st.state}{version}: {st.reason}; fix: {_fix(name, st.state, st.reason)}")
+        elif displaced := _displaced(name):
+            problems.append(
+                f"patch {name} is replaced: {'; '.join(displaced)}: the plugin's wrapper is no longer in "
+                f"place; fix: {_fix(name, 'replaced', '')}"
+            )
+    return problems
+
+
+def _displaced(name: str) -> list[str]:
+    """The changes of an applied patch another library has since replaced (state ``replaced``
+    in ``replay-plugin status``)."""
+    patcher = registry.get().patchers.get(name)
+    return patcher.displaced() if patcher is not None else []
+
+
+def check_request(params: Any) -> None:
+    """Refuse (``SampleSupportRefused``, before compute) a request whose replay keys are invalid
+    or set an internal key, or that wants replay data a missing patch cannot provide."""
+    extra = getattr(params, "extra_args", None)
+    try:
+        options.check_request_keys(extra)
+        support = options.wants_support(extra)
+        routes = options.explicit_routes(extra)
+    except options.KnobError:
+        raise
+    except options.OptionError as exc:
+        raise refusal(f"replay_plugin: {exc}", exc.key) from None
+    if not (support or routes):
+        return
+    problems = missing_patches(support, routes)
+    if problems:
+        key = options.SUPPORT_KEY if support else options.ROUTES_KEY
+        raise refusal(
+            f"replay_plugin: the request asks for replay data ({key!r} or the job's "
+            f"{options.REQUESTS_ENV}) but this vLLM process cannot capture it: " + "; ".join(problems),
+            key,
+        )
+
+
+def _guard(wrapped, instance, args, kwargs):
+    """``InputProcessor.process_inputs``: check the caller's params before anything runs."""
+    params = kwargs["params"] if "params" in kwargs else (args[2] if len(args) > 2 else None)
+    if params is not None and hasattr(params, "extra_args"):
+        check_request(params)
+    return wrapped(*args, **kwargs)
+
+
+def install(patcher: Patcher) -> None:
+    patcher.wrap("InputProcessor.process_inputs", _guard)

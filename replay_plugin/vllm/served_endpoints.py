@@ -1,0 +1,84 @@
+"""Patch ``vllm.served_endpoints``: endpoints that cannot return replay data refuse a request
+that asks for it, before compute.
+
+Gap (vLLM 0.30-0.32): every OpenAI-compatible request model carries ``vllm_xargs``, so a client
+can ask for replay data on any endpoint, but only completions, chat completions (both without
+beam search) and ``/inference/v1/generate`` return it (``vllm.openai_fields``,
+``vllm.generate_fields``). Beam search rebuilds its own sampling parameters per step without the
+request's ``vllm_xargs``; the Responses API, the Anthropic Messages API and speech-to-text build
+their own response shapes. Those requests were served without replay data, silently; here they
+are refused (HTTP 400 naming the endpoint and what to use instead), also when
+``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=all`` opts them in (send
+``"replay_sample_support": false`` to opt one out). Remove when these endpoints return replay
+data (or vLLM refuses unknown ``vllm_xargs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..patcher import Patcher
+from . import options
+from .refusal import refusal
+
+_USE = "use /v1/completions, /v1/chat/completions (without beam search) or /inference/v1/generate"
+
+
+def _wants_replay(xargs: Any) -> bool:
+    try:
+        return options.wants_support(xargs) or options.explicit_routes(xargs)
+    except options.KnobError:
+        raise
+    except options.OptionError as exc:
+        raise refusal(f"replay_plugin: {exc}", exc.key) from None
+
+
+def _refuse(endpoint: str) -> None:
+    raise refusal(
+        f"replay_plugin: the request asks for replay data ({options.SUPPORT_KEY!r}, "
+        f"{options.ROUTES_KEY!r} or the job's {options.REQUESTS_ENV}=all) but {endpoint} cannot "
+        f"return it; {_USE}, or send {options.SUPPORT_KEY!r}: false",
+        options.SUPPORT_KEY,
+    )
+
+
+def _request_method(endpoint: str):
+    """A wrapper for a request model's method: refuse when the request itself opts in."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if _wants_replay(getattr(instance, "vllm_xargs", None)):
+            _refuse(endpoint)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def _chat(wrapped, instance, args, kwargs):
+    """``OpenAIServingChat.create_chat_completion``: beam search, and subclasses that reshape the
+    chat response (the Anthropic Messages API calls it on its own serving object)."""
+    request = args[0] if args else kwargs.get("request")
+    if _wants_replay(getattr(request, "vllm_xargs", None)):
+        if getattr(request, "use_beam_search", False):
+            _refuse("beam search (use_beam_search)")
+        if type(instance).__name__ != "OpenAIServingChat":
+            _refuse(f"{type(instance).__name__} (it reshapes the chat response, e.g. /v1/messages)")
+    return wrapped(*args, **kwargs)
+
+
+def _completion(wrapped, instance, args, kwargs):
+    """``OpenAIServingCompletion.create_completion``: beam search."""
+    request = args[0] if args else kwargs.get("request")
+    if getattr(request, "use_beam_search", False) and _wants_replay(getattr(request, "vllm_xargs", None)):
+        _refuse("beam search (use_beam_search)")
+    return wrapped(*args, **kwargs)
+
+
+def install(patcher: Patcher) -> None:
+    # Armed when the chat serving module has loaded (its bases and the protocol modules are
+    # loaded by then; arming on a protocol module imported serving modules half-initialised).
+    patcher.wrap("OpenAIServingChat.create_chat_completion", _chat)
+    patcher.wrap("OpenAIServingCompletion.create_completion", _completion)
+    patcher.wrap("ResponsesRequest.to_sampling_params", _request_method("the Responses API (/v1/responses)"))
+    for name in ("TranscriptionRequest", "TranslationRequest"):
+        for method in ("to_sampling_params", "to_beam_search_params"):
+            patcher.wrap(f"{name}.{method}", _request_method("speech-to-text (/v1/audio/...)"))
