@@ -4,8 +4,14 @@
     python scripts/sync.py            # rewrite replay_plugin.pth, pyproject extras, README tables
     python scripts/sync.py --check    # exit 1 (with a diff) when any of them is out of date
     <env>/bin/python scripts/sync.py --fingerprints
-                                      # record target fingerprints of the upstream versions
-                                      # installed in <env> (tested versions only)
+                                      # record the fingerprints (targets and relied-on code) of
+                                      # the upstream versions installed in <env>, by importing them
+    python scripts/sync.py --fingerprints WHEEL_OR_DIR ...
+                                      # the same from upstream wheels' sources, nothing imported
+                                      # (`pip download --no-deps X==V`; a directory: its wheels)
+    python scripts/sync.py --diff UPSTREAM V1 V2
+                                      # which targets and relied-on names differ between two
+                                      # recorded versions, per patch (evidence for source_verified)
 
 Runs from the source tree (it puts the checkout first on sys.path).
 """
@@ -13,9 +19,14 @@ Runs from the source tree (it puts the checkout first on sys.path).
 from __future__ import annotations
 
 import difflib
+import glob
 import os
 import re
 import sys
+import tempfile
+import zipfile
+
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -50,10 +61,16 @@ def extras_block(matrix: compat.Matrix) -> str:
 
 
 def versions_table(matrix: compat.Matrix) -> str:
-    rows = ["| upstream | distributions (extra) | supported | tested in CI |", "| --- | --- | --- | --- |"]
+    rows = [
+        "| upstream | distributions (extra) | supported | tested in CI | source-verified (read, never run) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for up in matrix.upstreams.values():
         dists = ", ".join(f"`{d}` (`[{e}]`)" for d, e in up.distributions.items())
-        rows.append(f"| {up.key} | {dists} | `{compat.format_spec(up.supported)}` | {', '.join(up.tested)} |")
+        verified = ", ".join(up.source_verified) or "-"
+        rows.append(
+            f"| {up.key} | {dists} | `{compat.format_spec(up.supported)}` | {', '.join(up.tested)} | {verified} |"
+        )
     return "\n".join(rows)
 
 
@@ -116,30 +133,127 @@ def generated() -> dict[str, str]:
 
 
 def record_fingerprints() -> None:
-    """Write fingerprints of the installed, tested upstream versions into compat_matrix.yaml,
-    keeping the rest of the file (comments included) as it is."""
-    compat._CACHE.clear()
-    matrix = compat.load(MATRIX)
-    with open(MATRIX) as fh:
-        text = fh.read()
+    """Write the fingerprints of the installed upstream versions (inside each patch's range) into
+    compat_matrix.yaml, keeping the rest of the file (comments included) as it is."""
+    matrix = _load_for_recording()
+    recorded: dict[str, dict[str, dict[str, str]]] = {}
     for name, patch in matrix.patches.items():
         up = matrix.upstreams[patch.upstream]
         _, version = compat.installed_version(up)
         if version is None:
             continue
-        public = compat.parse_version(version).public
-        if public not in up.tested or not compat.version_in(version, patch.versions):
-            print(f"skip {name}: {patch.upstream} {version} is not a tested version")
+        if not compat.version_in(version, patch.versions):
+            print(f"skip {name}: {patch.upstream} {version} is outside {compat.format_spec(patch.versions)}")
             continue
-        check = compat.check_fingerprints(patch.targets, {}, version)
+        check = compat.check_fingerprints(patch.targets, {}, version, patch.relies_on)
         if check.state == "missing":
             raise SystemExit(f"{name}: {check.detail}")
-        prints = dict(patch.fingerprints)
-        prints[public] = check.fingerprints
-        text = _replace_fingerprints(text, name, prints, patch.targets)
-        print(f"{name}: recorded {public}")
+        recorded.setdefault(name, {})[compat.parse_version(version).public] = check.fingerprints
+    _write_fingerprints(matrix, recorded)
+
+
+def _wheels(paths: list[str]) -> list[str]:
+    out = []
+    for path in paths:
+        out += sorted(glob.glob(os.path.join(path, "*.whl"))) if os.path.isdir(path) else [path]
+    return out
+
+
+def _wheel_metadata(wheel: str) -> tuple[str, str]:
+    """(distribution name, version) from a wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
+        fields = dict(
+            line.split(": ", 1)
+            for line in zf.read(meta).decode().splitlines()
+            if line.startswith(("Name:", "Version:"))
+        )
+    return fields["Name"], fields["Version"]
+
+
+def record_wheel_fingerprints(paths: list[str]) -> None:
+    """Fingerprints of every patch whose range holds a wheel's version, computed from the
+    wheel's sources (compat.static_fingerprint: nothing is imported or installed)."""
+    matrix = _load_for_recording()
+    recorded: dict[str, dict[str, dict[str, str]]] = {}
+    for wheel in _wheels(paths):
+        dist, version = _wheel_metadata(wheel)
+        ups = [u for u in matrix.upstreams.values() if _norm(dist) in {_norm(d) for d in u.distributions}]
+        if not ups:
+            raise SystemExit(f"{wheel}: {dist} is no distribution of an upstream in the matrix")
+        (up,) = ups
+        public = compat.parse_version(version).public
+        with tempfile.TemporaryDirectory() as root:
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extractall(
+                    root, [n for n in zf.namelist() if n.startswith(up.import_name + "/") and n.endswith(".py")]
+                )
+            for name, patch in matrix.patches.items():
+                if patch.upstream != up.key or not compat.version_in(version, patch.versions):
+                    continue
+                try:
+                    prints = {t: compat.static_fingerprint(root, t) for t in patch.fingerprinted}
+                except compat.StaticSourceError as exc:
+                    raise SystemExit(f"{name} in {os.path.basename(wheel)}: {exc}") from exc
+                recorded.setdefault(name, {})[public] = prints
+        print(f"{dist} {version}: read {os.path.basename(wheel)}")
+    _write_fingerprints(matrix, recorded)
+
+
+def _load_for_recording() -> compat.Matrix:
+    """The matrix without the recorded versions that lack a name the patch now fingerprints
+    (a target or relied-on name added since): they are re-recorded or dropped when written."""
+    with open(MATRIX) as fh:
+        raw = yaml.safe_load(fh)
+    for name, entry in raw.get("patches", {}).items():
+        names = set(entry.get("targets", [])) | set(entry.get("relies_on", []))
+        for version, prints in list((entry.get("fingerprints") or {}).items()):
+            if set(prints) != names:
+                print(f"{name}: the record of {version} lacks names added since; re-record it")
+                del entry["fingerprints"][version]
+    return compat.parse(raw, path=MATRIX)
+
+
+def _write_fingerprints(matrix: compat.Matrix, recorded: dict[str, dict[str, dict[str, str]]]) -> None:
+    with open(MATRIX) as fh:
+        text = fh.read()
+    for name, patch in matrix.patches.items():
+        versions = recorded.get(name, {})
+        prints = {**patch.fingerprints, **versions}
+        if prints:  # every block: records _load_for_recording dropped go too
+            text = _replace_fingerprints(text, name, prints, patch.fingerprinted)
+        if versions:
+            tier = {v: compat.version_tier(matrix.upstreams[patch.upstream], v) for v in versions}
+            print(f"{name}: recorded {', '.join(f'{v} ({t})' for v, t in tier.items())}")
     with open(MATRIX, "w") as fh:
         fh.write(text)
+
+
+def diff_versions(upstream: str, old: str, new: str) -> int:
+    """Print, per patch of ``upstream``, the targets and relied-on names whose recorded
+    fingerprints differ between versions ``old`` and ``new``; 1 when one is not recorded."""
+    matrix = compat.load(MATRIX)
+    missing = 0
+    for name, patch in matrix.patches.items():
+        if patch.upstream != upstream:
+            continue
+        a, b = compat.recorded_for(patch.fingerprints, old), compat.recorded_for(patch.fingerprints, new)
+        if a is None or b is None:
+            print(f"{name}: not recorded for {old if a is None else new}")
+            missing = 1
+            continue
+        tgt = [t for t in patch.targets if a[t] != b[t]]
+        rel = [r for r in patch.relies_on if a[r] != b[r]]
+        print(f"{name}: {'identical' if not tgt and not rel else 'differs'}")
+        for t in tgt:
+            print(f"  target    {t}")
+        for r in rel:
+            print(f"  relied-on {r}")
+    return missing
+
+
+def _norm(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
 
 
 def _replace_fingerprints(text: str, name: str, prints: dict, targets: tuple) -> str:
@@ -172,9 +286,16 @@ def _replace_fingerprints(text: str, name: str, prints: dict, targets: tuple) ->
 
 
 def main(argv: list[str]) -> int:
-    if "--fingerprints" in argv:
-        record_fingerprints()
+    if argv[:1] == ["--fingerprints"]:
+        if argv[1:]:
+            record_wheel_fingerprints(argv[1:])
+        else:
+            record_fingerprints()
         return 0
+    if argv[:1] == ["--diff"]:
+        if len(argv) != 4:
+            raise SystemExit("usage: sync.py --diff UPSTREAM V1 V2")
+        return diff_versions(*argv[1:])
     stale = []
     for path, content in generated().items():
         with open(path) as fh:

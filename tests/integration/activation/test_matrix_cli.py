@@ -41,15 +41,109 @@ def write(tmp_path, raw):
     return str(path)
 
 
+def _env_upstreams():
+    return [u for u in os.environ.get("REPLAY_TEST_UPSTREAMS", "").split(",") if u]
+
+
 def test_matrix_check_passes_on_the_tested_environment():
-    proc = cli("matrix", "--check", "--json")
+    proc = cli("matrix", "--check", "--require-tested", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)  # --json keeps stdout machine-readable even though vLLM logs on stdout
     assert report["ok"] and report["problems"] == []
-    env_upstreams = os.environ.get("REPLAY_TEST_UPSTREAMS", "").split(",")
-    checked = [p for p in report["patches"] if p["upstream"] in env_upstreams and p["state"] != "not-installed"]
-    # every patch of an upstream this environment tests has fingerprints that match
-    assert checked and all(p["state"] == "match" for p in checked), checked
+    checked = [p for p in report["patches"] if p["upstream"] in _env_upstreams() and p["state"] != "not-installed"]
+    # every patch of an upstream this environment tests has fingerprints (targets and relied-on
+    # code) that match, on a version CI tests
+    assert checked and all(p["state"] == "match" and p["tier"] == "tested" for p in checked), checked
+    tiers = {u["upstream"]: u["tier"] for u in report["upstreams"]}
+    assert all(tiers[u] == "tested" for u in _env_upstreams()), tiers
+
+
+def test_static_fingerprints_equal_the_imported_ones():
+    """scripts/sync.py records untested releases from their wheels' sources without importing
+    them (compat.static_fingerprint); here both ways run on the installed upstreams and agree
+    for every target and relied-on name."""
+    import site
+
+    from replay_plugin import compat
+
+    proc = cli("matrix", "--json")
+    report = json.loads(proc.stdout)
+    roots = site.getsitepackages()
+    compared = 0
+    for row in report["patches"]:
+        if row["upstream"] not in _env_upstreams() or row["state"] == "not-installed":
+            continue
+        for name, imported in row["fingerprints"].items():
+            (root,) = [r for r in roots if os.path.exists(os.path.join(r, name.partition(".")[0]))]
+            assert compat.static_fingerprint(root, name) == imported, name
+            compared += 1
+    assert compared >= 4
+
+
+def _relied_on_patch(raw):
+    """A patch of this environment's first upstream that lists relied-on code."""
+    upstreams = _env_upstreams()
+    return next(
+        (name, entry)
+        for name, entry in raw["patches"].items()
+        if entry["upstream"] == upstreams[0] and entry.get("relies_on")
+    )
+
+
+def test_matrix_check_names_changed_relied_on_code(tmp_path):
+    raw = shipped_matrix()
+    name, entry = _relied_on_patch(raw)
+    up = raw["upstreams"][entry["upstream"]]
+    v = next(installed(d) for d in up["distributions"] if _has(d))
+    relied = entry["relies_on"][-1]
+    entry["fingerprints"][v][relied] = "sha256:0000000000000000"
+    path = write(tmp_path, raw)
+    proc = cli("matrix", "--check", "--upstream", entry["upstream"], env={"REPLAY_PLUGIN_MATRIX": path})
+    assert proc.returncode == 1, proc.stdout
+    assert f"FAIL {name}: relied-on {relied} differs from the fingerprint recorded for {v}" in proc.stdout
+    # the runtime compares the patch's targets only: it still applies
+    proc = cli("status", "--json", *_imports(entry["upstream"]), env={"REPLAY_PLUGIN_MATRIX": path})
+    rows = {r["name"]: r for r in json.loads(proc.stdout)["patches"]}
+    assert rows[name]["state"] in ("applied", "not-needed"), rows[name]
+
+
+def _has(dist):
+    from importlib.metadata import PackageNotFoundError
+
+    try:
+        installed(dist)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def _imports(upstream):
+    return {"megatron-core": ["--import", "megatron.core"], "vllm": ["--import", "vllm.entrypoints.openai.api_server"]}[
+        upstream
+    ]
+
+
+def test_a_source_verified_version_is_reported_as_such(tmp_path):
+    """The installed version declared source-verified instead of tested (as vLLM 0.33 would be):
+    matrix and status say so, `matrix --check` passes and `--require-tested` fails."""
+    raw = shipped_matrix()
+    key = _relied_on_patch(raw)[1]["upstream"]
+    up = raw["upstreams"][key]
+    v = next(installed(d) for d in up["distributions"] if _has(d))
+    up["tested"] = [t for t in up["tested"] if t != v]
+    assert up["tested"], "the matrix tests more than one version of every upstream with relied-on code"
+    up["source_verified"] = {v: "sources read from the wheel, compared with the tested release"}
+    env = {"REPLAY_PLUGIN_MATRIX": write(tmp_path, raw)}
+    proc = cli("matrix", "--upstream", key, env=env)
+    assert f"note: {key} {v} is source-verified, never run in CI: sources read from the wheel" in proc.stdout
+    assert cli("matrix", "--check", "--upstream", key, env=env).returncode == 0
+    proc = cli("matrix", "--check", "--require-tested", "--upstream", key, env=env)
+    assert proc.returncode == 1 and f"{key} {v} is source-verified, not tested in CI" in proc.stdout
+    proc = cli("status", "--json", *_imports(key), env=env)
+    rows = [r for r in json.loads(proc.stdout)["patches"] if r["upstream"] == key]
+    assert rows and all(r["tier"] == "source-verified" for r in rows), rows
+    applied = [r for r in rows if r["state"] == "applied"]
+    assert applied and all("source-verified: sources read, never run in CI" in r["reason"] for r in applied)
 
 
 def test_matrix_check_fails_on_an_out_of_range_version(tmp_path):
