@@ -19,13 +19,14 @@ Venvs live in $REPLAY_VENVS (default ~/.cache/replay-plugin/venvs) under NAME-<h
 file and Python version>, so a venv is reused only while its pinned requirements are unchanged;
 .venvs/NAME in the repo links to the current one and .venv links to .venvs/main.
 
-Overlay environments (``base`` and ``overlay`` in envs.toml, no lock file) are the base venv
-cloned with hard links (nothing is copied: a file costs a directory entry) with the overlay's
-exact pins installed over it with --no-deps, cached under NAME-<hash of the base's key and the
-pins> beside the others. pip never writes into an existing file (it unlinks first), so the base
-is never changed. The build fails when the overlay breaks a requirement that held in the base
-(``pip check`` of both, compared). One venv per upstream version would cost gigabytes and
-minutes each; an overlay of a pure-Python upstream costs seconds and megabytes.
+Overlay environments (``base``, ``overlay`` and optionally ``remove`` in envs.toml, no lock file)
+are the base venv cloned with hard links (nothing is copied: a file costs a directory entry),
+the ``remove`` distributions uninstalled and the overlay's exact pins installed with --no-deps,
+cached under NAME-<hash of the base's key and the pins> beside the others. pip never writes into
+an existing file (it unlinks first), so the base is never changed. The build fails when the
+overlay breaks a requirement that held in the base (``pip check`` of both, compared). One venv
+per upstream version would cost gigabytes and minutes each; an overlay of a pure-Python upstream
+costs seconds and megabytes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 
 import tomllib
 
@@ -117,22 +119,24 @@ def lock_path(name: str) -> str:
     return os.path.join(ENVS_DIR, f"{name}.lock")
 
 
-def overlay_of(name: str, cfg: dict | None = None) -> tuple[str, list[str]] | None:
-    """``(base, exact pins)`` of an overlay environment, None for a lock-file environment.
-    Raises SystemExit on a malformed entry (base missing or itself an overlay, pins not exact,
-    a ``python`` other than the base's)."""
+def overlay_of(name: str, cfg: dict | None = None) -> tuple[str, list[str], list[str]] | None:
+    """``(base, exact pins, distributions removed)`` of an overlay environment, None for a
+    lock-file environment. Raises SystemExit on a malformed entry (base missing or itself an
+    overlay, pins not exact, a ``python`` other than the base's)."""
     cfg = cfg or config()
     entry = cfg[name]
     if "base" not in entry and "overlay" not in entry:
         return None
-    base, pins = entry.get("base"), entry.get("overlay")
+    base, pins, remove = entry.get("base"), entry.get("overlay"), entry.get("remove", [])
     if base not in cfg or "base" in cfg[base]:
         raise SystemExit(f"env {name}: base {base!r} must be an environment with a lock file")
     if not isinstance(pins, list) or not pins or not all(re.fullmatch(r"[A-Za-z0-9_.\-]+==\S+", p) for p in pins):
         raise SystemExit(f"env {name}: overlay must be a non-empty list of exact pins (name==version), got {pins!r}")
+    if not isinstance(remove, list) or not all(isinstance(r, str) for r in remove):
+        raise SystemExit(f"env {name}: remove must be a list of distribution names, got {remove!r}")
     if entry.get("python", cfg[base]["python"]) != cfg[base]["python"]:
         raise SystemExit(f"env {name}: an overlay runs on its base's Python ({cfg[base]['python']})")
-    return base, pins
+    return base, pins, remove
 
 
 def python_of(name: str) -> str:
@@ -145,8 +149,8 @@ def python_of(name: str) -> str:
 def env_key(name: str) -> str:
     overlay = overlay_of(name)
     if overlay:
-        base, pins = overlay
-        text = "\n".join([env_key(base), *sorted(pins), INSTALL_SCHEME])
+        base, pins, remove = overlay
+        text = "\n".join([env_key(base), *sorted(pins), *(f"-{r}" for r in sorted(remove)), INSTALL_SCHEME])
         return hashlib.sha256(text.encode()).hexdigest()[:12]
     cfg = config()[name]
     with open(lock_path(name), "rb") as fh:
@@ -194,10 +198,10 @@ def ensure(name: str) -> str:
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(venv_root(), exist_ok=True)
         if overlay:
-            base, pins = overlay
+            base, pins, remove = overlay
             base_path = ensure(base)
-            log(f"building {name} in {path}: {base} + {' '.join(pins)}")
-            build_overlay(base_path, path, pins)
+            log(f"building {name} in {path}: {base} + {' '.join(pins)}" + "".join(f" - {r}" for r in remove))
+            build_overlay(base_path, path, pins, remove)
         else:
             log(f"building {name} in {path} (Python {python_of(name)}, {lock_path(name)})")
             subprocess.run([python_for(python_of(name)), "-m", "venv", path], check=True)
@@ -247,24 +251,25 @@ def clone_venv(src: str, dst: str) -> None:
         os.replace(tmp, path)
 
 
-def _pip_check(venv: str, names: set[str]) -> set[str]:
-    """``pip check`` complaints of ``venv``, with the versions of the distributions in ``names``
-    (normalised) left out, so that those of an overlay and of its base compare."""
+def _pip_check(venv: str, names: set[str]) -> dict[str, str]:
+    """``pip check`` complaints of ``venv``, keyed by the line with the versions of the
+    distributions in ``names`` (normalised) left out, so that an overlay's and its base's compare."""
     out = subprocess.run(
         [os.path.join(venv, "bin", "python"), "-m", "pip", "--disable-pip-version-check", "check"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     ).stdout
-    lines = set()
+    lines = {}
     for line in out.splitlines():
-        m = re.match(r"(\S+) (\S+) (.*)", line)
+        key = line
+        m = re.match(r"(\S+) (\S+) (.*)", key)
         if m and _norm(m.group(1)) in names:
-            line = f"{m.group(1)} * {m.group(3)}"
-        m = re.match(r"(.* but you have )(\S+) (\S+)\.$", line)
+            key = f"{m.group(1)} * {m.group(3)}"
+        m = re.match(r"(.* but you have )(\S+) (\S+)\.$", key)
         if m and _norm(m.group(2)) in names:
-            line = f"{m.group(1)}{m.group(2)} *."
-        lines.add(line)
+            key = f"{m.group(1)}{m.group(2)} *."
+        lines[key] = line
     return lines
 
 
@@ -272,13 +277,17 @@ def _norm(dist: str) -> str:
     return re.sub(r"[-_.]+", "-", dist).lower()
 
 
-def build_overlay(base: str, path: str, pins: list[str]) -> None:
-    """The overlay venv at ``path``: ``base`` cloned, ``pins`` installed over it (--no-deps).
-    SystemExit when the overlay breaks a requirement ``pip check`` found met in ``base``."""
+def build_overlay(base: str, path: str, pins: list[str], remove: Sequence[str] = ()) -> None:
+    """The overlay venv at ``path``: ``base`` cloned, the distributions in ``remove`` uninstalled,
+    ``pins`` installed over it (--no-deps). SystemExit when the overlay breaks a requirement
+    ``pip check`` found met in ``base``."""
     clone_venv(base, path)
+    if remove:
+        pip(path, "uninstall", "-q", "-y", *remove)
     pip(path, "install", "-q", "--no-deps", *pins)
-    names = {_norm(p.partition("==")[0]) for p in pins}
-    broken = sorted(_pip_check(path, names) - _pip_check(base, names))
+    names = {_norm(p.partition("==")[0]) for p in pins} | {_norm(r) for r in remove}
+    after, before = _pip_check(path, names), _pip_check(base, names)
+    broken = sorted(line for key, line in after.items() if key not in before)
     if broken:
         shutil.rmtree(path, ignore_errors=True)
         raise SystemExit(

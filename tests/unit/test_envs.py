@@ -56,7 +56,8 @@ def _load() -> tuple[dict, dict, dict]:
         if "base" in cfg:
             assert "base" not in envs[cfg["base"]], f"env {name}: base {cfg['base']} is itself an overlay"
             assert not os.path.exists(os.path.join(ENVS, f"{name}.lock")), f"overlay env {name} has a lock file"
-            locks[name] = {**locks[cfg["base"]], **_overlay_pins(cfg["overlay"])}
+            base = {d: v for d, v in locks[cfg["base"]].items() if d not in map(_name, cfg.get("remove", []))}
+            locks[name] = {**base, **_overlay_pins(cfg["overlay"])}
     with open(os.path.join(ROOT, "compat_matrix.yaml")) as fh:
         matrix = yaml.safe_load(fh)
     return envs, locks, matrix
@@ -168,8 +169,41 @@ def test_test_environments_and_the_lint_environment():
     envs, locks, _ = _load()
     for env, cfg in envs.items():
         for path in cfg.get("tests", []):
-            assert os.path.exists(os.path.join(ROOT, path)), f"env {env}: test path {path} does not exist"
+            file, _, test = path.partition("::")
+            assert os.path.exists(os.path.join(ROOT, file)), f"env {env}: test path {path} does not exist"
+            if test:
+                with open(os.path.join(ROOT, file)) as fh:
+                    assert f"def {test}(" in fh.read(), f"env {env}: {file} has no test {test}"
     lint = envs["lint"]
     assert "tests" not in lint and lint["upstreams"] == []  # scripts/envs.py test never runs it
     assert {"ruff", "mypy", "types-pyyaml"} <= set(locks["lint"])
     assert not {"torch", "pytest"} & set(locks["lint"])
+
+
+def _envs_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("replay_envs_script", os.path.join(ROOT, "scripts", "envs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"base": "nope", "overlay": ["a==1"]}, "base 'nope' must be an environment with a lock file"),
+        ({"base": "over", "overlay": ["a==1"]}, "base 'over' must be an environment with a lock file"),
+        ({"base": "py312", "overlay": ["a>=1"]}, "overlay must be a non-empty list of exact pins"),
+        ({"base": "py312", "overlay": []}, "overlay must be a non-empty list of exact pins"),
+        ({"base": "py312", "overlay": ["a==1"], "remove": "skyrl"}, "remove must be a list"),
+        ({"base": "py312", "overlay": ["a==1"], "python": "3.11"}, "an overlay runs on its base's Python"),
+    ],
+)
+def test_malformed_overlays_are_refused(entry, message):
+    envs = _envs_module()
+    cfg = {"py312": {"python": "3.12"}, "over": {"base": "py312", "overlay": ["b==2"]}, "new": entry}
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        envs.overlay_of("new", cfg)
+    assert envs.overlay_of("over", cfg) == ("py312", ["b==2"], [])
+    assert envs.overlay_of("py312", cfg) is None

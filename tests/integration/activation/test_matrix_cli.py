@@ -45,10 +45,15 @@ def _env_upstreams():
     return [u for u in os.environ.get("REPLAY_TEST_UPSTREAMS", "").split(",") if u]
 
 
-def test_matrix_check_passes_on_the_tested_environment():
+@pytest.fixture(scope="module")
+def report():
+    """`matrix --check --require-tested --json` in this environment (one run for the tests below)."""
     proc = cli("matrix", "--check", "--require-tested", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)  # --json keeps stdout machine-readable even though vLLM logs on stdout
+    return json.loads(proc.stdout)  # --json keeps stdout machine-readable even though vLLM logs on stdout
+
+
+def test_matrix_check_passes_on_the_tested_environment(report):
     assert report["ok"] and report["problems"] == []
     checked = [p for p in report["patches"] if p["upstream"] in _env_upstreams() and p["state"] != "not-installed"]
     # every patch of an upstream this environment tests has fingerprints (targets and relied-on
@@ -58,7 +63,7 @@ def test_matrix_check_passes_on_the_tested_environment():
     assert all(tiers[u] == "tested" for u in _env_upstreams()), tiers
 
 
-def test_static_fingerprints_equal_the_imported_ones():
+def test_static_fingerprints_equal_the_imported_ones(report):
     """scripts/sync.py records untested releases from their wheels' sources without importing
     them (compat.static_fingerprint); here both ways run on the installed upstreams and agree
     for every target and relied-on name."""
@@ -66,8 +71,6 @@ def test_static_fingerprints_equal_the_imported_ones():
 
     from replay_plugin import compat
 
-    proc = cli("matrix", "--json")
-    report = json.loads(proc.stdout)
     roots = site.getsitepackages()
     compared = 0
     for row in report["patches"]:
@@ -90,23 +93,6 @@ def _relied_on_patch(raw):
     )
 
 
-def test_matrix_check_names_changed_relied_on_code(tmp_path):
-    raw = shipped_matrix()
-    name, entry = _relied_on_patch(raw)
-    up = raw["upstreams"][entry["upstream"]]
-    v = next(installed(d) for d in up["distributions"] if _has(d))
-    relied = entry["relies_on"][-1]
-    entry["fingerprints"][v][relied] = "sha256:0000000000000000"
-    path = write(tmp_path, raw)
-    proc = cli("matrix", "--check", "--upstream", entry["upstream"], env={"REPLAY_PLUGIN_MATRIX": path})
-    assert proc.returncode == 1, proc.stdout
-    assert f"FAIL {name}: relied-on {relied} differs from the fingerprint recorded for {v}" in proc.stdout
-    # the runtime compares the patch's targets only: it still applies
-    proc = cli("status", "--json", *_imports(entry["upstream"]), env={"REPLAY_PLUGIN_MATRIX": path})
-    rows = {r["name"]: r for r in json.loads(proc.stdout)["patches"]}
-    assert rows[name]["state"] in ("applied", "not-needed"), rows[name]
-
-
 def _has(dist):
     from importlib.metadata import PackageNotFoundError
 
@@ -123,25 +109,37 @@ def _imports(upstream):
     ]
 
 
-def test_a_source_verified_version_is_reported_as_such(tmp_path):
-    """The installed version declared source-verified instead of tested (as vLLM 0.33 would be):
-    matrix and status say so, `matrix --check` passes and `--require-tested` fails."""
+def test_tier_and_relied_on_drift_are_reported(tmp_path):
+    """The installed version declared source-verified instead of tested (as vLLM 0.33 is) and one
+    relied-on fingerprint changed: `matrix --check` names the relied-on drift and prints the
+    evidence, `--require-tested` adds the tier as a problem, and at run time the patch still
+    applies (only targets are compared there), reported as source-verified."""
     raw = shipped_matrix()
-    key = _relied_on_patch(raw)[1]["upstream"]
+    name, entry = _relied_on_patch(raw)
+    key = entry["upstream"]
     up = raw["upstreams"][key]
     v = next(installed(d) for d in up["distributions"] if _has(d))
     up["tested"] = [t for t in up["tested"] if t != v]
     assert up["tested"], "the matrix tests more than one version of every upstream with relied-on code"
     up["source_verified"] = {v: "sources read from the wheel, compared with the tested release"}
+    relied = entry["relies_on"][-1]
+    entry["fingerprints"][v][relied] = "sha256:0000000000000000"
     env = {"REPLAY_PLUGIN_MATRIX": write(tmp_path, raw)}
-    proc = cli("matrix", "--upstream", key, env=env)
-    assert f"note: {key} {v} is source-verified, never run in CI: sources read from the wheel" in proc.stdout
-    assert cli("matrix", "--check", "--upstream", key, env=env).returncode == 0
+
     proc = cli("matrix", "--check", "--require-tested", "--upstream", key, env=env)
-    assert proc.returncode == 1 and f"{key} {v} is source-verified, not tested in CI" in proc.stdout
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"note: {key} {v} is source-verified, never run in CI: sources read from the wheel" in proc.stdout
+    fails = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAIL ")]
+    assert fails == [
+        f"FAIL {key} {v} is source-verified, not tested in CI (--require-tested)",
+        f"FAIL {name}: relied-on {relied} differs from the fingerprint recorded for {v}",
+    ], proc.stdout
+
     proc = cli("status", "--json", *_imports(key), env=env)
     rows = [r for r in json.loads(proc.stdout)["patches"] if r["upstream"] == key]
     assert rows and all(r["tier"] == "source-verified" for r in rows), rows
+    by_name = {r["name"]: r for r in rows}
+    assert by_name[name]["state"] in ("applied", "not-needed"), by_name[name]
     applied = [r for r in rows if r["state"] == "applied"]
     assert applied and all("source-verified: sources read, never run in CI" in r["reason"] for r in applied)
 
