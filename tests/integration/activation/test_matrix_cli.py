@@ -104,9 +104,13 @@ def _has(dist):
 
 
 def _imports(upstream):
-    return {"megatron-core": ["--import", "megatron.core"], "vllm": ["--import", "vllm.entrypoints.openai.api_server"]}[
-        upstream
-    ]
+    """`--import` arguments for the trigger module of every patch of ``upstream``."""
+    from replay_plugin import registry
+
+    reg = registry.get()
+    reg.load_packs()
+    triggers = sorted({spec.trigger for spec in reg.specs.values() if spec.upstream == upstream})
+    return [arg for module in triggers for arg in ("--import", module)]
 
 
 def test_tier_and_relied_on_drift_are_reported(tmp_path):
@@ -137,7 +141,7 @@ def test_tier_and_relied_on_drift_are_reported(tmp_path):
 
     proc = cli("status", "--json", *_imports(key), env=env)
     rows = [r for r in json.loads(proc.stdout)["patches"] if r["upstream"] == key]
-    assert rows and all(r["tier"] == "source-verified" for r in rows), rows
+    assert rows and all(r["version"] == v and r["tier"] == "source-verified" for r in rows), rows
     by_name = {r["name"]: r for r in rows}
     assert by_name[name]["state"] in ("applied", "not-needed"), by_name[name]
     applied = [r for r in rows if r["state"] == "applied"]
