@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import os
-import site
 import subprocess
 import sys
 import tempfile
@@ -192,124 +190,11 @@ def cmd_matrix(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- doctor
 
 
-def _site_dirs() -> list[str]:
-    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
-    user = site.getusersitepackages() if hasattr(site, "getusersitepackages") else None
-    if user:
-        dirs.append(user)
-    return [d for d in dict.fromkeys(dirs)]
-
-
-def _pth_files() -> list[str]:
-    return [p for p in (os.path.join(d, "replay_plugin.pth") for d in _site_dirs()) if os.path.exists(p)]
-
-
-def _check_pth() -> list[str]:
-    """The .pth line is installed, current, processed, and arms the finder in a fresh process."""
-    from . import _pth, settings
-
-    problems = []
-    expected = _pth.pth_line()
-    found = _pth_files()
-    if not found:
-        problems.append(
-            "replay_plugin.pth is not in this interpreter's site-packages "
-            f"({', '.join(_site_dirs())}): activation on import will not happen. Install the wheel "
-            "(not editable, not --target), or call replay_plugin.activate() in your code"
-        )
-    for path in found:
-        with open(path, encoding="utf-8") as fh:
-            if fh.read() != expected:
-                problems.append(f"{path} differs from this version's .pth line (stale or second install)")
-    if sys.flags.no_site or sys.flags.isolated:
-        problems.append("this interpreter runs with -S or -I: .pth files are not processed")
-    probe = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"import sys; f = sys.__dict__.get({_pth.MARKER!r}); print(f is not None and f in sys.meta_path)",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if not settings.disabled() and probe.stdout.strip() != "True":
-        problems.append(f"a fresh `{sys.executable}` does not arm the import finder (the .pth line did not run)")
-    return problems
-
-
-def _check_distribution() -> list[str]:
-    """One installed copy, and the one being imported."""
-    import replay_plugin
-
-    names = ("replay-plugin", "replay_plugin")
-    dists = [d for d in importlib.metadata.distributions() if (d.metadata["Name"] or "").lower() in names]
-    locations = sorted({str(d.locate_file("")) for d in dists})
-    problems = []
-    if len(dists) > 1:
-        problems.append(f"replay-plugin is installed {len(dists)} times: {', '.join(locations)}")
-    pkg_dir = os.path.dirname(os.path.abspath(replay_plugin.__file__))
-    if dists and not any(pkg_dir.startswith(os.path.abspath(loc)) for loc in locations):
-        problems.append(
-            f"replay_plugin is imported from {pkg_dir}, not from the installed distribution at {locations[0]}"
-        )
-    return problems
-
-
-def _check_vllm_plugins() -> list[str]:
-    value = os.environ.get("VLLM_PLUGINS")
-    if value is None or "replay_plugin" in [p.strip() for p in value.split(",")]:
-        return []
-    return [
-        f"VLLM_PLUGINS={value!r} excludes 'replay_plugin': vLLM processes that do not process .pth "
-        "files will not activate the plugin; add replay_plugin to the list"
-    ]
-
-
-def _check_upstreams() -> tuple[list[str], list[str]]:
-    """(installed upstream versions, problems: versions outside the supported ranges)."""
-    from . import compat
-
-    versions, problems = [], []
-    for up in compat.load().upstreams.values():
-        dist, version = compat.installed_version(up)
-        if version is None:
-            continue
-        versions.append(f"{dist} {version}")
-        if not compat.version_in(version, up.supported):
-            problems.append(f"{dist} {version} is outside the supported range {up.supported} (patches will be skipped)")
-    return versions, problems
-
-
-def _check_settings() -> list[str]:
-    """Unknown or unreadable REPLAY_PLUGIN_* variables, and packs that failed to load."""
-    from . import registry, settings, states
-
-    reg = registry.get()
-    reg.load_packs()
-    return settings.problems(reg.known_env()) + states.events()
-
-
-def doctor_report() -> dict:
-    from . import settings
-
-    versions, version_problems = _check_upstreams()
-    problems = _check_pth() + _check_distribution() + _check_vllm_plugins() + version_problems + _check_settings()
-    notes = []
-    if settings.disabled():
-        notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")
-    return {
-        "version": __version__,
-        "python": sys.executable,
-        "pth": _pth_files(),
-        "upstreams": versions,
-        "problems": problems,
-        "notes": notes,
-        "ok": not problems,
-    }
-
-
 def cmd_doctor(args: argparse.Namespace) -> int:
-    report = doctor_report()
+    from . import doctor
+
+    with _stdout_to_stderr():  # vLLM's logger prints on stdout while the arguments are parsed
+        report = doctor.report(vllm_args=args.vllm_args, top_k=args.top_k, megatron_config=args.megatron_config)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -317,9 +202,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print("upstreams: " + (", ".join(report["upstreams"]) or "none installed"))
         for note in report["notes"]:
             print(f"note: {note}")
-        for problem in report["problems"]:
-            print(f"PROBLEM: {problem}")
-        print("doctor: " + ("no problems found" if report["ok"] else f"{len(report['problems'])} problem(s)"))
+        for finding in report["findings"]:
+            print(f"PROBLEM [{finding['check']}]: {finding['problem']}\n  fix: {finding['fix']}")
+        print("doctor: " + ("no problems found" if report["ok"] else f"{len(report['findings'])} problem(s)"))
     return 0 if report["ok"] else 1
 
 
@@ -360,8 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("doctor", help="find installation problems")
+    p = sub.add_parser("doctor", help="find installation and configuration problems (exit 1 if any)")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--vllm-args", metavar="ARGS", help='the engine arguments of the job, e.g. "MODEL --max-logprobs 20"'
+    )
+    p.add_argument("--top-k", type=int, metavar="K", help="the rollout's top_k (checks the support width fits)")
+    p.add_argument("--megatron-config", metavar="FILE", help="YAML/JSON of the model's TransformerConfig fields")
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("matrix", help="compare installed upstreams with compat_matrix.yaml")

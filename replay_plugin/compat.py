@@ -447,6 +447,9 @@ def default_path() -> str:
 
 
 _CACHE: dict[str, Matrix] = {}
+# libyaml's safe loader when PyYAML was built with it: the same documents, parsed about 10x faster
+# (activation parses the matrix in every process that imports a watched upstream).
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def load(path: str | None = None) -> Matrix:
@@ -454,7 +457,7 @@ def load(path: str | None = None) -> Matrix:
     path = os.path.abspath(path or os.environ.get("REPLAY_PLUGIN_MATRIX") or default_path())
     if path not in _CACHE:
         with open(path, encoding="utf-8") as fh:
-            raw = yaml.safe_load(fh)
+            raw = yaml.load(fh, Loader=_LOADER)
         _CACHE[path] = parse(raw, path=path)
     return _CACHE[path]
 

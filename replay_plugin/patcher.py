@@ -139,16 +139,38 @@ class Patcher:
         setattr(owner, attr, value)
         self.changes.append(_Change(owner, attr, value, old))
 
+    def displaced(self) -> list[str]:
+        """The changes no longer in place: the attribute was since replaced by an object that is
+        not this plugin's wrapper and does not reach it through ``__wrapped__`` (a library that
+        wraps on top with ``functools.wraps`` leaves the change in place)."""
+        out = []
+        for change in self.changes:
+            current = _own_attr(change.owner, change.attr)
+            if any(layer is change.new for layer in _wrapper_chain(current)):
+                continue
+            where = f"{_describe(change.owner)}.{change.attr}"
+            if current is _MISSING:
+                out.append(f"{where} was deleted")
+            else:
+                module = getattr(current, "__module__", None) or type(current).__module__
+                out.append(f"{where} was replaced by {module}.{_describe(current)}")
+        return out
+
     def on_revert(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` when the patch is reverted (after the attribute changes are undone)."""
         self._on_revert.append(callback)
 
     def revert(self) -> list[str]:
         """Undo the changes in reverse order. Returns the problems (a change someone else wrapped
-        on top of, or replaced, is left in place and reported)."""
-        problems = [p for p in (change.undo() for change in reversed(self.changes)) if p]
+        on top of, or replaced, is left in place and reported; only those changes stay recorded)."""
+        problems, kept = [], []
+        for change in reversed(self.changes):
+            problem = change.undo()
+            if problem:
+                problems.append(problem)
+                kept.append(change)
+        self.changes = kept[::-1]
         if not problems:
-            self.changes.clear()
             for callback in reversed(self._on_revert):
                 callback()
             self._on_revert.clear()

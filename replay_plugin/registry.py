@@ -94,6 +94,23 @@ def _probe_of(spec: PatchSpec) -> Callable[..., ProbeResult] | None:
     return None
 
 
+def _replaced_targets(targets: Iterable[str]) -> list[str]:
+    """Targets whose current object is defined outside the target's module: another library
+    replaced them (``Cls.attr = its_function``) before this plugin looked."""
+    out = []
+    for target in targets:
+        module, _, qualname = target.partition(":")
+        try:
+            obj = pkgutil.resolve_name(target)
+        except Exception:  # noqa: BLE001 - a missing target is reported by the fingerprint check
+            continue
+        defined_in = getattr(obj, "__module__", None)
+        if defined_in and defined_in != module:
+            name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
+            out.append(f"{qualname} is now {defined_in}.{name} (replaced by another library)")
+    return out
+
+
 class _Refused(Exception):
     """A step decided the patch cannot be applied (state, reason, strict-mode error)."""
 
@@ -219,7 +236,9 @@ class Registry:
 
     def status_rows(self, cfg: settings.Settings | None = None) -> list[dict]:
         """One row per registered patch: ``name``, ``upstream``, ``version``, ``state``, ``reason``,
-        ``targets``. Loads the packs' specs if nothing did yet (applies nothing, records nothing)."""
+        ``targets``. Loads the packs' specs if nothing did yet (applies nothing, records nothing).
+        An applied patch whose changes someone has since replaced reads ``replaced``, naming what
+        replaced them."""
         cfg = cfg or settings.load()
         self.load_packs()
         rows = []
@@ -229,7 +248,14 @@ class Registry:
                 st = self._status(spec, "disabled", "REPLAY_PLUGIN_DISABLE is set: nothing is activated")
             if st is None:
                 st = self.initial_state(spec, cfg) or self.waiting(spec)
-            rows.append(st.as_dict())
+            row = st.as_dict()
+            patcher = self.patchers.get(spec.name)
+            if row["state"] == "applied" and patcher is not None:
+                displaced = patcher.displaced()
+                if displaced:
+                    row["state"] = "replaced"
+                    row["reason"] = "; ".join(displaced) + ": the plugin's wrapper is no longer in place"
+            rows.append(row)
         return rows
 
     # -- apply ----------------------------------------------------------------
@@ -319,10 +345,12 @@ class Registry:
         if check.state == "missing":
             raise _Refused("error", check.detail, TargetMissingError)
         if check.state == "drift":
+            detail = check.detail + "".join(f"; {r}" for r in _replaced_targets(spec.targets))
             recorded = version is not None and compat.recorded_for(spec.fingerprints, version) is not None
             if ((version is None or recorded) and not cfg.allow_unsupported) or cfg.strict:
-                raise _Refused("error", f"fingerprint drift: {check.detail}", FingerprintDriftError)
-            log.warning("replay_plugin: patch %s: %s; applying anyway", spec.name, check.detail)
+                raise _Refused("error", f"fingerprint drift: {detail}", FingerprintDriftError)
+            log.warning("replay_plugin: patch %s: %s; applying anyway", spec.name, detail)
+            return detail
         return check.detail
 
     def _fail(self, spec: PatchSpec, cfg: settings.Settings, version: str | None, refused: _Refused) -> PatchStatus:

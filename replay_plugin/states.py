@@ -12,6 +12,9 @@ States:
 ``not-implemented`` the spec is registered but its code is not written yet
 ``error``           applying failed (reason recorded); the user's import went on
 ``reverted``        ``replay_plugin.deactivate()`` removed it
+``replaced``        it was applied, but another library has since replaced a patched
+                    target: the plugin's wrapper is no longer in place (computed by the
+                    status query, never recorded)
 ==================  ================================================================
 
 With ``REPLAY_PLUGIN_STATUS_DIR`` set, every state change rewrites
@@ -38,6 +41,7 @@ STATES = (
     "not-implemented",
     "error",
     "reverted",
+    "replaced",
 )
 
 

@@ -31,7 +31,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_IMPORT_NAMES = {"megatron-core": "megatron.core", "vllm": "vllm", "verl": "verl", "skyrl": "skyrl"}
+_IMPORT_NAMES = {
+    "megatron-core": "megatron.core",
+    "vllm": "vllm",
+    "verl": "verl",
+    "skyrl": "skyrl",
+    "transformers": "transformers",
+}
 
 # tests/integration/vllm/conftest.py imports this module by this name (pytest would otherwise
 # load a second copy of it, with its own, unreported upstream records).

@@ -6,6 +6,10 @@ Qwen3-MoE model on a remove-padding microbatch, float32, with three logprob func
 LM-head weight: logits never formed). Time is the best of interleaved steps; peak memory is
 measured per method in a fresh subprocess (``bench._memory``) and compared with a bound that
 grows with the support width, not the vocabulary.
+
+Routed-expert replay: the ``plain`` step of a smaller-vocabulary Qwen3-MoE with and without
+``replay_routes`` around it, replaying the model's own routes (so both steps send the same tokens
+to the same experts and the difference is the plugin's work), and a forward-only pass.
 """
 
 from __future__ import annotations
@@ -22,6 +26,28 @@ BENCH = "fsdp"
 FULL = {"batch": 8, "seq": 640, "response": 384, "vocab": 32768, "hidden": 256, "layers": 2, "experts": 8, "width": 32}
 QUICK = {"batch": 4, "seq": 96, "response": 48, "vocab": 4096, "hidden": 64, "layers": 2, "experts": 4, "width": 8}
 METHODS = ("plain", "replay_logits", "replay_hidden")
+ROUTES_FULL = {
+    "batch": 8,
+    "seq": 512,
+    "response": 256,
+    "vocab": 4096,
+    "hidden": 256,
+    "layers": 4,
+    "experts": 16,
+    "top_k": 4,
+    "width": 8,
+}
+ROUTES_QUICK = {
+    "batch": 2,
+    "seq": 64,
+    "response": 32,
+    "vocab": 1024,
+    "hidden": 64,
+    "layers": 2,
+    "experts": 8,
+    "top_k": 2,
+    "width": 8,
+}
 #: bytes per (position, candidate) allowed as extra memory over the plain path: int64 index,
 #: float32 value, the gather's gradient and masks, forward and backward
 BYTES_PER_CANDIDATE = 64
@@ -42,7 +68,7 @@ def _model(shape: dict):
         num_key_value_heads=4,
         head_dim=h // 4,
         num_experts=shape["experts"],
-        num_experts_per_tok=2,
+        num_experts_per_tok=shape.get("top_k", 2),
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
@@ -153,6 +179,85 @@ def _measure_peak(spec: dict) -> dict:
     return run_module_measure("replay_plugin.bench.fsdp", spec)
 
 
+# --------------------------------------------------------------------------- routed-expert replay
+
+
+def _route_replay_results(quick: bool) -> list[Result]:
+    """Time of the plain step (and a no_grad forward) with ``replay_routes`` over without."""
+    import torch
+
+    from replay_plugin.fsdp import record_routes, replay_routes
+
+    shape = ROUTES_QUICK if quick else ROUTES_FULL
+    repeats = 2 if quick else 5
+    model = _model(shape)
+    batch = _batch(shape)
+    with torch.no_grad(), record_routes(model) as rec:
+        model(input_ids=batch["packed"], position_ids=batch["positions"], use_cache=False)
+    routes = rec.routes.to(torch.uint8)  # [1, nnz, L, K]: the model's own routes, compact
+    train = _step_fn("plain", model, batch, shape)
+
+    def train_replay() -> None:
+        with replay_routes(model, routes):
+            train()
+
+    def infer() -> None:
+        with torch.no_grad():
+            model(input_ids=batch["packed"], position_ids=batch["positions"], use_cache=False)
+
+    def infer_replay() -> None:
+        with replay_routes(model, routes):
+            infer()
+
+    steps = {"train": train, "train_replay": train_replay, "infer": infer, "infer_replay": infer_replay}
+    for step in steps.values():
+        step()
+    best = {name: float("inf") for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(10):
+        with replay_routes(model, routes):
+            pass
+    context_ms = (time.perf_counter() - start) / 10 * 1e3
+    tokens = int(routes.shape[1])
+    note = (
+        f"N={tokens} tokens, {shape['layers']} MoE layers x {shape['experts']} experts top-{shape['top_k']}, "
+        f"H={shape['hidden']} V={shape['vocab']} float32, best of {repeats} interleaved rounds"
+    )
+    steps.clear()
+    gc.collect()
+    return [
+        Result(BENCH, "route_replay_step_time", best["train_replay"] * 1e3, "ms", note=note),
+        Result(
+            BENCH,
+            "route_replay_context_time",
+            context_ms,
+            "ms",
+            note="replay_routes(...) built, entered and left without a forward: route checks, model scan",
+        ),
+        Result(
+            BENCH,
+            "route_replay_vs_plain_step",
+            best["train_replay"] / best["train"],
+            "x",
+            goal="<= 1.05",
+            note="forward + backward with replay_routes (own routes) over the same step without",
+        ),
+        Result(
+            BENCH,
+            "route_replay_vs_plain_forward",
+            best["infer_replay"] / best["infer"],
+            "x",
+            goal="<= 1.05",
+            note="no_grad forward (a logprob pass) with replay_routes over without",
+        ),
+    ]
+
+
 # --------------------------------------------------------------------------- run
 
 
@@ -228,6 +333,7 @@ def run(quick: bool = False) -> list[Result]:
                 f"N*V*4 B = {positions * shape['vocab'] * 4 / 2**20:.0f} MiB per [N, V] tensor",
             )
         )
+    results.extend(_route_replay_results(quick))
     return results
 
 

@@ -1,4 +1,5 @@
-"""``replay-plugin bench startup``: what the .pth line costs every Python process.
+"""``replay-plugin bench startup``: what the .pth line costs every Python process, and what
+activation adds to ``import transformers`` (a watched name: its import arms the patches).
 
 Two throw-away venvs made from this interpreter differ only in the plugin's ``.pth`` file;
 both see this environment's packages through a plain path line (a path line adds the directory
@@ -94,13 +95,17 @@ def run(quick: bool = False) -> list[Result]:
     for label, code, rounds in (
         ("python -c pass", "pass", 40 if quick else 300),
         ('python -c "import torch"', "import torch", 3 if quick else 15),
+        ('python -c "import transformers"', "import transformers", 3 if quick else 11),
     ):
-        if "torch" in code:
+        if code != "pass":
+            # torch is not watched (nothing activates); transformers is: its import activates the
+            # plugin (packs, matrix, one post-import hook per MoE family) and applies nothing
             try:
                 import importlib.util
 
-                if importlib.util.find_spec("torch") is None:
-                    results.append(Result("startup", label, None, note="torch not installed"))
+                module = code.split()[-1]
+                if importlib.util.find_spec(module) is None:
+                    results.append(Result("startup", label, None, note=f"{module} not installed"))
                     continue
             except Exception:  # noqa: BLE001
                 continue

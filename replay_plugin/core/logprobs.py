@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -64,16 +65,43 @@ def support_logprobs(
     _check_common(logits, sampled_ids, support_ids, temperature)
     v_local = logits.shape[-1]
     prefix = sampled_ids.shape
-    flat = logits.reshape(-1, v_local)
     sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
     cdt = _compute_dtype(logits.dtype)
     w = local_sup.shape[1]
-    # One gather for members and target: its backward writes one dense [N, V_local] gradient
-    # (two gathers would allocate and add two).
-    values = flat.gather(1, torch.cat([local_sup, ly.unsqueeze(1)], dim=1)).to(cdt) / temperature
+    # One gather for members and target, on the logits as given (no reshape copy of a strided
+    # input); its backward writes one dense [..., V_local] gradient and keeps nothing of the
+    # logits alive until then (see _GatherLast).
+    cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
+    values = _GatherLast.apply(logits, cand.view(*prefix, w + 1)).reshape(-1, w + 1).to(cdt) / temperature
     y_values = torch.where(y_local, values[:, w], 0.0)
     lp = _renormalise(values[:, :w], local_m, y_values, valid, tp_group)
     return lp.float().reshape(prefix), valid.reshape(prefix)
+
+
+class _GatherLast(torch.autograd.Function):
+    """``source.gather(-1, index)`` whose backward scatters into a fresh zero gradient.
+
+    Autograd's own ``gather`` saves its whole input for the backward (torch 2.x,
+    ``derivatives.yaml``: ``gather_backward(grad, self, ...)`` reads only its shape), which keeps
+    the caller's ``[..., V_local]`` logits alive until the backward (with the synthetic-EOS
+    rows' second dense gradient, see :class:`_GatherCandidatesAndRows`, replay from logits
+    peaked at 1.32x the memory of Megatron's ``vocab_parallel_cross_entropy`` at TP=2). This
+    saves the index and the shape only; the backward allocates the one dense gradient the
+    logits need and scatter-adds into it in place.
+    """
+
+    @staticmethod
+    def forward(ctx, source, index):
+        ctx.save_for_backward(index)
+        ctx.shape, ctx.dtype, ctx.device = source.shape, source.dtype, source.device
+        return source.gather(-1, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        out.scatter_add_(-1, index, grad.to(ctx.dtype))
+        return out, None
 
 
 def support_logprobs_from_hidden(
@@ -187,40 +215,72 @@ def full_vocab_logprobs_fixed_capacity(
             f"{tuple(trajectory_ids.shape)} disagree",
             expected="source [..., D] and [...] for the rest",
         )
-    flat = source.reshape(-1, dim)
-    n = flat.shape[0]
-    device = flat.device
+    device = source.device
     out_dtype = _compute_dtype(source.dtype if lm_head_weight is None else lm_head_weight.dtype)
     if cap == 0:
         return (
             torch.zeros(prefix, dtype=torch.float32, device=device),
             torch.zeros(prefix, dtype=torch.bool, device=device),
         )
-    need = needs_full_vocab.reshape(-1).to(torch.bool)
-    first, has = _first_flagged_rows(need, trajectory_ids.reshape(-1).long(), cap, device)
-    rows = torch.where(has, first, 0)
-    y = sampled_ids.reshape(-1).long()
-    if n == 0:
-        picked = flat.new_zeros(cap, dim)
-        y_rows = torch.zeros(cap, dtype=torch.long, device=device)
-    else:
-        picked = flat.index_select(0, rows)
-        y_rows = y.index_select(0, rows)
-    if lm_head_weight is None:
-        logits = picked
-    else:
-        if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != dim:
-            raise ReplayDataError(
-                "lm_head_weight",
-                f"has shape {tuple(lm_head_weight.shape)} for hidden size {dim}",
-                expected="[V_local, H]",
-            )
-        logits = picked.to(lm_head_weight.dtype) @ lm_head_weight.t()
-    lp = _full_vocab_logprob(logits, y_rows, out_dtype, temperature, vocab_start, tp_group)
-    target = torch.where(has, first, n)
-    out = torch.zeros(n + 1, dtype=lp.dtype, device=device).scatter_add(0, target, torch.where(has, lp, 0.0))
-    hits = torch.zeros(n + 1, dtype=torch.long, device=device).scatter_add(0, target, has.long())
-    return out[:n].float().reshape(prefix), (hits[:n] > 0).reshape(prefix)
+    plan = _FallbackPlan(needs_full_vocab, trajectory_ids, sampled_ids, cap)
+    picked = source.new_zeros(cap, dim) if plan.n == 0 else _select_rows(source, plan.rows)
+    return plan.scores(picked, lm_head_weight, out_dtype, temperature, vocab_start, tp_group)
+
+
+class _FallbackPlan:
+    """Which rows :func:`full_vocab_logprobs_fixed_capacity` scores: per trajectory its first
+    flagged row (``first``, ``has``), row 0 (discarded) for the others (``rows`` ``[cap]``), and
+    their targets ``y_rows``. Needs no logits, so the logits path can gather these rows together
+    with the support candidates (one dense gradient)."""
+
+    def __init__(self, need: torch.Tensor, trajectory_ids: torch.Tensor, sampled_ids: torch.Tensor, cap: int) -> None:
+        device = sampled_ids.device
+        self.prefix = sampled_ids.shape
+        self.n = int(math.prod(self.prefix))
+        self.first, self.has = _first_flagged_rows(
+            need.reshape(-1).to(torch.bool), trajectory_ids.reshape(-1).long(), cap, device
+        )
+        self.rows = torch.where(self.has, self.first, 0)
+        if self.n == 0:
+            self.y_rows = torch.zeros(cap, dtype=torch.long, device=device)
+        else:
+            self.y_rows = sampled_ids.reshape(-1).long().index_select(0, self.rows)
+
+    def scores(
+        self,
+        picked: torch.Tensor,
+        lm_head_weight: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        temperature: float,
+        vocab_start: int,
+        tp_group,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logprobs, selected)`` ``[...]`` from the picked rows ``[cap, D]`` (logits, or hidden
+        states projected by ``lm_head_weight``)."""
+        if lm_head_weight is None:
+            logits = picked
+        else:
+            dim = picked.shape[-1]
+            if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != dim:
+                raise ReplayDataError(
+                    "lm_head_weight",
+                    f"has shape {tuple(lm_head_weight.shape)} for hidden size {dim}",
+                    expected="[V_local, H]",
+                )
+            logits = picked.to(lm_head_weight.dtype) @ lm_head_weight.t()
+        lp = _full_vocab_logprob(logits, self.y_rows, out_dtype, temperature, vocab_start, tp_group)
+        n, has, first = self.n, self.has, self.first
+        target = torch.where(has, first, n)
+        out = torch.zeros(n + 1, dtype=lp.dtype, device=lp.device).scatter_add(0, target, torch.where(has, lp, 0.0))
+        hits = torch.zeros(n + 1, dtype=torch.long, device=lp.device).scatter_add(0, target, has.long())
+        return out[:n].float().reshape(self.prefix), (hits[:n] > 0).reshape(self.prefix)
+
+
+def _select_rows(source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``source.reshape(-1, D)[rows]`` (``[R, D]``) without copying a strided ``source`` whole."""
+    if source.is_contiguous() or source.dim() <= 2:
+        return source.reshape(-1, source.shape[-1]).index_select(0, rows)
+    return source[torch.unravel_index(rows, source.shape[:-1])]
 
 
 def _first_flagged_rows(
@@ -257,6 +317,27 @@ def _full_vocab_logprob(
     return _renormalise(z, None, y_values, torch.ones_like(y_local), tp_group)
 
 
+def full_vocab_logprobs(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    tp_group: torch.distributed.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The ordinary full-vocabulary logprob of ``sampled_ids`` ``[...]`` at every position: float32
+    ``[...]`` from raw logits ``[..., V_local]`` (this rank's shard when ``tp_group`` is given;
+    one MAX and one SUM all-reduce then). For trainers whose vocabulary-parallel cross entropy
+    cannot take their tensor-parallel group."""
+    _check_temperature(temperature)
+    prefix = sampled_ids.shape
+    flat = logits.reshape(-1, logits.shape[-1])
+    lp = _full_vocab_logprob(
+        flat, sampled_ids.reshape(-1).long(), _compute_dtype(logits.dtype), temperature, vocab_start, tp_group
+    )
+    return lp.float().reshape(prefix)
+
+
 class ReplayLogprobs(NamedTuple):
     """Result of ``replay_logprobs``; all ``[...]`` like the inputs' positions."""
 
@@ -281,6 +362,8 @@ def replay_logprobs(
     vocab_start: int = 0,
     tp_group: torch.distributed.ProcessGroup | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    agree_groups: Sequence[torch.distributed.ProcessGroup | None] = (),
+    token_index: torch.Tensor | None = None,
 ) -> ReplayLogprobs:
     """Replayed logprobs for one microbatch: the helper trainer backends call.
 
@@ -303,6 +386,14 @@ def replay_logprobs(
         lm_head_weight, temperature, vocab_start, tp_group, chunk_size: as
             ``support_logprobs_from_hidden``. ``temperature`` is applied to logits too: pass 1.0
             if the caller already divided them.
+        agree_groups: process groups, pairwise orthogonal (e.g. the tensor- and the
+            context-parallel group), whose ranks must all raise when any of them finds bad
+            data: ranks holding different positions (context-parallel shards) that run
+            collectives after this call would otherwise wait for a rank that raised. One
+            ``all_reduce`` of a ``[ranks, 5]`` int64 table per group, whatever the data.
+        token_index: ``[...]`` integer, the token index an error names for each position (e.g.
+            its column in the batch grid); default: the position's index among its
+            trajectory's positions on this rank.
 
     Returns:
         ``ReplayLogprobs(logprobs, valid, full_vocab)``.
@@ -312,12 +403,24 @@ def replay_logprobs(
             first such position (only one synthetic EOS per trajectory can be scored), or its
             trajectory id is outside ``[0, num_trajectories)``; or a supported row's logprob is
             not finite (members outside the vocabulary, non-finite logits). Raised after all
-            collectives (one host sync), naming the trajectory and the position's index among
-            that trajectory's positions.
+            collectives (one host sync) on every rank of ``agree_groups``, naming the
+            trajectory, the token and (when another rank found it) that rank.
     """
+    if loss_mask.shape != sampled_ids.shape:  # before any collective: every rank checks the same
+        raise ReplayDataError(
+            "loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(sampled_ids.shape)}"
+        )
     if lm_head_weight is None:
-        lp, valid = support_logprobs(
-            source, sampled_ids, support_ids, temperature=temperature, vocab_start=vocab_start, tp_group=tp_group
+        lp, valid, need, fallback, selected = _replay_from_logits(
+            source,
+            sampled_ids,
+            support_ids,
+            loss_mask,
+            trajectory_ids,
+            num_trajectories,
+            temperature=temperature,
+            vocab_start=vocab_start,
+            tp_group=tp_group,
         )
     else:
         lp, valid = support_logprobs_from_hidden(
@@ -330,46 +433,183 @@ def replay_logprobs(
             vocab_start=vocab_start,
             tp_group=tp_group,
         )
-    if loss_mask.shape != sampled_ids.shape:
-        raise ReplayDataError(
-            "loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(sampled_ids.shape)}"
+        need = loss_mask.to(torch.bool) & ~valid
+        fallback, selected = full_vocab_logprobs_fixed_capacity(
+            source,
+            sampled_ids,
+            need,
+            trajectory_ids,
+            num_trajectories,
+            lm_head_weight=lm_head_weight,
+            temperature=temperature,
+            vocab_start=vocab_start,
+            tp_group=tp_group,
         )
-    need = loss_mask.to(torch.bool) & ~valid
-    fallback, selected = full_vocab_logprobs_fixed_capacity(
-        source,
-        sampled_ids,
-        need,
-        trajectory_ids,
-        num_trajectories,
-        lm_head_weight=lm_head_weight,
-        temperature=temperature,
-        vocab_start=vocab_start,
-        tp_group=tp_group,
-    )
     uncovered = need & ~selected
     nonfinite = valid & ~torch.isfinite(lp)
-    if bool((uncovered | nonfinite).any()):  # one host sync for both checks, after all collectives
-        bad = uncovered if bool(uncovered.any()) else nonfinite
-        traj = trajectory_ids.reshape(-1).long()
-        pos = int(torch.nonzero(bad.reshape(-1))[0, 0])
-        tid = int(traj[pos])
-        ordinal = int((traj[:pos] == tid).sum())
-        target = int(sampled_ids.reshape(-1)[pos])
-        if bad is uncovered:
-            problem = (
-                f"loss-bearing position without support (target id {target}) is not its trajectory's "
-                f"only one, or its trajectory id is outside [0, {num_trajectories})"
-            )
-            expected = "support for every loss-bearing position but one synthetic EOS per trajectory"
-        else:
-            problem = (
-                f"support logprob of target id {target} is not finite: no support member lies in the "
-                "vocabulary (summed over the shards), or the logits are not finite"
-            )
-            expected = "support ids inside the vocabulary and finite logits"
-        raise ReplayDataError("support_ids", problem, trajectory=tid, token=ordinal, expected=expected)
+    local = _first_error(uncovered, nonfinite, trajectory_ids, sampled_ids, token_index)
+    groups = [g for g in agree_groups if g is not None and _tp_size(g) > 1]
+    if groups:
+        table, here, sizes = _agree(local, groups)
+        failing = torch.nonzero(table[:, 0]).flatten().tolist()
+        if failing:
+            first = failing[0]
+            _raise_error(table[first].tolist(), num_trajectories, None if first == here else _coords(first, sizes))
+    elif int(local[0]):
+        _raise_error(local.tolist(), num_trajectories, None)
     logprobs = torch.where(valid, lp, fallback)
     return ReplayLogprobs(logprobs, valid | selected, selected)
+
+
+def _replay_from_logits(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    support_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    trajectory_ids: torch.Tensor,
+    num_trajectories: int,
+    *,
+    temperature: float,
+    vocab_start: int,
+    tp_group,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`support_logprobs` and :func:`full_vocab_logprobs_fixed_capacity` on the same logits
+    with one gather (:class:`_GatherCandidatesAndRows`): the logits get one dense gradient, not
+    one per function plus their sum. Returns ``(lp, valid, need, fallback, selected)``."""
+    _check_common(logits, sampled_ids, support_ids, temperature)
+    prefix = sampled_ids.shape
+    if trajectory_ids.shape != prefix:
+        raise ReplayDataError("trajectory_ids", f"has shape {tuple(trajectory_ids.shape)}", expected=f"{tuple(prefix)}")
+    cap = int(num_trajectories)
+    if cap < 0:
+        raise ReplayDataError("capacity", f"got {num_trajectories}", expected=">= 0")
+    v_local = logits.shape[-1]
+    sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
+    cdt = _compute_dtype(logits.dtype)
+    w = local_sup.shape[1]
+    need = loss_mask.to(torch.bool) & ~valid.reshape(prefix)
+    plan = _FallbackPlan(need, trajectory_ids, sampled_ids, cap) if cap else None
+    rows = plan.rows if plan is not None and plan.n else torch.zeros(0, dtype=torch.long, device=logits.device)
+    cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
+    gathered, picked = _GatherCandidatesAndRows.apply(logits, cand.view(*prefix, w + 1), rows)
+    values = gathered.reshape(-1, w + 1).to(cdt) / temperature
+    y_values = torch.where(y_local, values[:, w], 0.0)
+    lp = _renormalise(values[:, :w], local_m, y_values, valid, tp_group).float().reshape(prefix)
+    if plan is None:
+        fallback = torch.zeros(prefix, dtype=torch.float32, device=logits.device)
+        selected = torch.zeros(prefix, dtype=torch.bool, device=logits.device)
+    else:
+        if not plan.n:
+            picked = logits.new_zeros(cap, v_local)
+        fallback, selected = plan.scores(picked, None, cdt, temperature, vocab_start, tp_group)
+    return lp, valid.reshape(prefix), need, fallback, selected
+
+
+class _GatherCandidatesAndRows(torch.autograd.Function):
+    """``(logits.gather(-1, index), logits.reshape(-1, V)[rows])``, with one dense gradient.
+
+    ``logits`` ``[..., V]``, ``index`` ``[..., M]`` long, ``rows`` ``[R]`` long (flat row
+    indices). Saves the indices and the shape only (see :class:`_GatherLast`); the backward
+    allocates one zero ``[..., V]`` gradient, scatter-adds the candidates' gradient and
+    index-adds the rows' into it.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, index, rows):
+        ctx.save_for_backward(index, rows)
+        ctx.shape, ctx.dtype, ctx.device = logits.shape, logits.dtype, logits.device
+        return logits.gather(-1, index), _select_rows(logits, rows)
+
+    @staticmethod
+    def backward(ctx, grad_values, grad_rows):
+        index, rows = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        if grad_values is not None:
+            out.scatter_add_(-1, index, grad_values.to(ctx.dtype))
+        if grad_rows is not None and rows.numel():
+            out.view(-1, ctx.shape[-1]).index_add_(0, rows, grad_rows.to(ctx.dtype))
+        return out, None, None
+
+
+# --------------------------------------------------------------------------- errors
+
+_UNCOVERED, _NONFINITE = 1, 2
+
+
+def _first_error(
+    uncovered: torch.Tensor,
+    nonfinite: torch.Tensor,
+    trajectory_ids: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    token_index: torch.Tensor | None,
+) -> torch.Tensor:
+    """int64 ``[5]``: ``(kind, trajectory, token, target id, 0)`` of this rank's first bad
+    position (kind 0 = none). One host sync."""
+    bad = uncovered | nonfinite
+    if not bool(bad.any()):
+        return torch.zeros(5, dtype=torch.int64)
+    kind = _UNCOVERED if bool(uncovered.any()) else _NONFINITE
+    flags = (uncovered if kind == _UNCOVERED else nonfinite).reshape(-1)
+    traj = trajectory_ids.reshape(-1).long()
+    pos = int(torch.nonzero(flags)[0, 0])
+    tid = int(traj[pos])
+    token = int(token_index.reshape(-1)[pos]) if token_index is not None else int((traj[:pos] == tid).sum())
+    return torch.tensor([kind, tid, token, int(sampled_ids.reshape(-1)[pos]), 0], dtype=torch.int64)
+
+
+def _agree(local: torch.Tensor, groups: list) -> tuple[torch.Tensor, int, list[int]]:
+    """Every rank's :func:`_first_error` row, on every rank of the (orthogonal) ``groups``: a
+    ``[prod(sizes), 5]`` table, this rank's row set, summed over each group in turn. Returns the
+    table, this rank's row and the group sizes (row = ranks in the groups, mixed radix)."""
+    sizes = [torch.distributed.get_world_size(g) for g in groups]
+    ranks = [torch.distributed.get_rank(g) for g in groups]
+    here = 0
+    for size, rank in zip(sizes, ranks):
+        here = here * size + rank
+    table = torch.zeros((math.prod(sizes), 5), dtype=torch.int64, device=_device_of(groups[0]))
+    table[here] = local.to(table.device)
+    for g in groups:
+        _all_reduce(table, torch.distributed.ReduceOp.SUM, g)
+    return table.cpu(), here, sizes
+
+
+def _coords(row: int, sizes: list[int]) -> tuple[int, ...]:
+    """The per-group ranks of table row ``row`` (inverse of the mixed-radix index of :func:`_agree`)."""
+    out = []
+    for size in reversed(sizes):
+        row, rank = divmod(row, size)
+        out.append(rank)
+    return tuple(reversed(out))
+
+
+def _device_of(group) -> torch.device:
+    """Where a collective of ``group`` runs: NCCL needs CUDA tensors, gloo takes CPU ones."""
+    try:
+        backend = torch.distributed.get_backend(group)
+    except Exception:  # noqa: BLE001
+        backend = "gloo"
+    if "nccl" in str(backend) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _raise_error(row: list, num_trajectories: int, other: tuple[int, ...] | None) -> None:
+    kind, tid, token, target = (int(v) for v in row[:4])
+    if kind == _UNCOVERED:
+        problem = (
+            f"loss-bearing position without support (target id {target}) is not its trajectory's "
+            f"only one, or its trajectory id is outside [0, {num_trajectories})"
+        )
+        expected = "support for every loss-bearing position but one synthetic EOS per trajectory"
+    else:
+        problem = (
+            f"support logprob of target id {target} is not finite: no support member lies in the "
+            "vocabulary (summed over the shards), or the logits are not finite"
+        )
+        expected = "support ids inside the vocabulary and finite logits"
+    if other is not None:
+        problem += f" (found by another rank: ranks {other} in agree_groups)"
+    raise ReplayDataError("support_ids", problem, trajectory=tid, token=token, expected=expected)
 
 
 # --------------------------------------------------------------------------- shared math

@@ -421,16 +421,23 @@ def _as_torch(x: ArrayLike) -> torch.Tensor:
 
 
 def _layers_first_int32(routes: torch.Tensor, layers: Sequence[int]) -> list[torch.Tensor]:
-    """Copy ``routes[..., layer, :]`` for each layer into one int32 ``[L_local, N, K]`` block."""
+    """Copy ``routes[..., layer, :]`` for each layer into its own int32 ``[N, K]`` tensor.
+
+    One allocation per layer, not views of one ``[L_local, N, K]`` block: Megatron keeps each
+    layer's tensor in that router's backward FIFO until its recompute pops it, and a view would
+    keep the whole block alive for as long as any one layer's entry is.
+    """
     import torch
 
     k = routes.shape[-1]
     tokens = int(np.prod(routes.shape[:-2]))
-    out = torch.empty((len(layers), tokens, k), dtype=torch.int32, device=routes.device)
     flat = routes.reshape(tokens, routes.shape[-2], k)
-    for j, layer in enumerate(layers):
-        out[j].copy_(flat[:, layer, :])  # the only widening copy, one pass per local layer
-    return list(out.unbind(0))
+    out = []
+    for layer in layers:
+        t = torch.empty((tokens, k), dtype=torch.int32, device=routes.device)
+        t.copy_(flat[:, layer, :])  # the only widening copy, one pass per local layer
+        out.append(t)
+    return out
 
 
 def split_for_replay(routes_local: ArrayLike) -> list[torch.Tensor]:
@@ -441,8 +448,8 @@ def split_for_replay(routes_local: ArrayLike) -> list[torch.Tensor]:
             layers (numpy or tensor, any integer dtype, any device).
 
     Returns:
-        ``L_local`` tensors ``[B*T, K]`` int32, each contiguous, on the input's device;
-        views into one ``[L_local, B*T, K]`` block.
+        ``L_local`` tensors ``[B*T, K]`` int32, each contiguous with its own storage, on the
+        input's device.
     """
     _check_routes(routes_local)
     t = _as_torch(routes_local)
@@ -461,8 +468,8 @@ def local_replay_data(routes: ArrayLike, layer_indices: Sequence[int] | ArrayLik
             in router order.
 
     Returns:
-        ``L_local`` contiguous int32 tensors ``[B*S, K]`` (or ``[T, K]``), on the device of
-        ``routes``, entry ``j`` for global layer ``layer_indices[j]``.
+        ``L_local`` contiguous int32 tensors ``[B*S, K]`` (or ``[T, K]``), each with its own
+        storage, on the device of ``routes``, entry ``j`` for global layer ``layer_indices[j]``.
     """
     _check_routes(routes)
     idx = _layer_index_array(layer_indices, int(routes.shape[-2]))

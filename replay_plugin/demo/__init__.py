@@ -1,10 +1,11 @@
 """``replay-plugin demo``: measure the train-inference mismatch with and without replay.
 
 Rolls out with real vLLM on CPU from an embedded tiny Qwen3-MoE model (the plugin returning
-support rows and routed experts), re-scores the same tokens in a Megatron-core ``GPTModel`` in
-float32 and bfloat16 under four settings (stock, routed-expert replay, sampler-support replay,
-both) and prints one row per precision and setting. Megatron's CPU shims (``demo/cpu.py``) are
-applied in this process only, after the rollout child has finished.
+support rows and routed experts), re-scores the same tokens in a Megatron-core ``GPTModel`` (or,
+with ``--trainer hf``, in the Hugging Face model through ``replay_plugin.fsdp``) in float32 and
+bfloat16 under four settings (stock, routed-expert replay, sampler-support replay, both) and
+prints one row per precision and setting. Megatron's CPU shims (``demo/cpu.py``) are applied in
+this process only, after the rollout child has finished.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trainer",
         choices=("megatron", "hf"),
         default="megatron",
-        help="megatron (default) or hf: the HF/FSDP replay path, sampler-support settings only",
+        help="megatron (default): a Megatron-core GPTModel; hf: the Hugging Face model through the "
+        "FSDP replay path (replay_plugin.fsdp)",
     )
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG histogram of log-ratios per setting")
@@ -129,7 +131,7 @@ def run(args: Any) -> list[dict]:
         top_p=args.top_p,
         temperature=args.temperature,
         seed=args.seed,
-        routes=args.trainer == "megatron",
+        routes=True,
     )
     with tempfile.TemporaryDirectory() as work:
         trajectories = rollout.run_in_child(spec, work)

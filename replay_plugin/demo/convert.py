@@ -1,9 +1,22 @@
-"""Load a Hugging Face Qwen3-MoE checkpoint into a Megatron-core ``GPTModel``.
+"""Load a Hugging Face Qwen3-MoE checkpoint into a Megatron-core ``GPTModel`` (local layer spec).
 
 Supported: ``Qwen3MoeForCausalLM`` safetensors checkpoints with every layer MoE, untied
-embeddings, no attention bias and default RoPE (the local layer spec). Routing matches
-``norm_topk_prob=True``: HF's softmax, top-k, renormalise is the same distribution as Megatron's
-top-k then softmax.
+embeddings, no attention bias and default RoPE. Routing matches ``norm_topk_prob=True``: HF's
+softmax, top-k, renormalise is the same distribution as Megatron's top-k then softmax.
+
+Why not a bridge (checked 2026-12-01 on this CPU machine, megatron-core 0.16.1, transformers
+5.10.4, torch 2.13.0 CPU): ``mbridge`` 0.15.1 (pure Python, has a Qwen3-MoE bridge) cannot build
+or load the demo model on CPU without five workarounds, each an upstream assumption:
+(1) ``LLMBridge._get_transformer_layer_spec`` hard-codes ``use_transformer_engine=True``
+(``NameError: TENorm`` without Transformer Engine); (2) it reads ``hf_config.rope_theta``, which
+transformers 5 moved into ``rope_parameters`` (``AttributeError``); (3) its ``TransformerConfig``
+sets TE-only fusions (``persist_layer_norm``: "not supported by torch LayerNorm");
+(4) ``Bridge.get_model`` calls ``.cuda()`` unconditionally ("Invalid device, must be cuda
+device"); (5) with all of that bypassed, ``load_weights`` knows only TE parameter names and
+refuses the local spec's (``NotImplementedError: Unsupported parameter name:
+decoder.layers.0.input_layernorm.weight``). NVIDIA's ``megatron-bridge`` 0.3.1 requires
+``transformer-engine`` (CUDA), ``transformers<5`` and ``megatron-core<0.17``. So the demo keeps
+this converter; replace it by a bridge once one supports the local spec on CPU.
 """
 
 from __future__ import annotations

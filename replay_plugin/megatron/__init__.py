@@ -14,9 +14,12 @@ from typing import Any
 _EXPORTS = {
     "MicrobatchReplay": "replay",
     "ReplayConfigError": "replay",
+    "StaleRoutesWarning": "router_replay_scope",
     "clear_routes": "replay",
+    "cp_loss_scale": "support",
     "replay_layers": "replay",
     "replay_routes": "replay",
+    "groups_of": "groups",
     "replay_response_logprobs": "support",
     "support_logprobs": "support",
 }

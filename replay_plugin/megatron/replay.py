@@ -6,14 +6,22 @@ global layer number (upstream's ``RouterReplay.set_replay_data`` indexes a proce
 and misroutes as soon as there are two models or virtual-pipeline chunks), only this stage's
 layers, aligned to the model's input layout and sequence-parallel shard, switched to
 ``REPLAY_BACKWARD`` when the chunk's forward returns. Pass the returned ``padding_mask`` to the
-model. Configurations where replay would silently do nothing are refused
-(:class:`ReplayConfigError`). The ``megatron.router_replay_scope`` patch clears the state after
-each schedule; outside schedules call :func:`clear_routes`.
+model. Configurations where replay would silently do nothing, or misroute, are refused
+(:class:`ReplayConfigError`), among them combined 1F1B (``overlap_moe_expert_parallel_comm``).
+
+Memory: each router's backward-FIFO entry owns only its layer's rows, and an entry no recompute
+will pop (the router's forward ran with grad enabled, i.e. outside activation checkpointing, or
+in a forward-only schedule) is released when the chunk's forward returns, so route memory is
+bounded by the microbatches in flight. The ``megatron.router_replay_scope`` patch drops what a
+schedule installed and left unconsumed; after replaying outside a schedule call
+:func:`clear_routes`. Process groups come from :func:`replay_plugin.megatron.groups.groups_of`
+(the model's ``pg_collection``), as in :mod:`replay_plugin.megatron.support`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import weakref
@@ -23,6 +31,8 @@ import numpy as np
 
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 from replay_plugin.core.routes import select_layers, split_for_replay
+from replay_plugin.megatron import router_replay_scope
+from replay_plugin.megatron.groups import groups_of
 
 if TYPE_CHECKING:
     import torch
@@ -60,12 +70,9 @@ class _ModelState:
         self.num_layers: int | None = getattr(config, "num_layers", None)
         self.topk: int | None = routers[0].module.topk if routers else None
         self.num_experts: int | None = routers[0].module.config.num_moe_experts if routers else None
+        self.config = config
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
-        if routers:
-            self.tp_group = getattr(routers[0].module, "tp_group", None)
-            self.cp_group = getattr(routers[0].module, "cp_group", None)
-        else:  # a stage without MoE layers still hands the model a mask of the right shape
-            self.tp_group, self.cp_group = _default_groups()
+        self.groups = groups_of(model)
         # GPTModel._preprocess scatters padding_mask for sequence parallelism on its first
         # pipeline stage only; later stages (and HybridModel) hand it to the layers as given.
         self.model_scatters_mask = (
@@ -75,6 +82,13 @@ class _ModelState:
         )
         self.pending: MicrobatchReplay | None = None
         self.hook = None
+        # Per router: whether its last REPLAY_FORWARD call ran where no recompute follows (grad
+        # enabled and no saved-tensor hooks, i.e. not inside activation checkpointing).
+        self.not_recomputed = [False] * len(self.routers)
+        self.router_hooks = [
+            r.module.register_forward_pre_hook(functools.partial(_note_forward, self, j))
+            for j, r in enumerate(self.routers)
+        ]
 
 
 def _collect_routers(model: Any) -> tuple[list[_Router], Any]:
@@ -90,7 +104,9 @@ def _collect_routers(model: Any) -> tuple[list[_Router], Any]:
         if not hasattr(module, "router_replay") or not hasattr(module, "routing"):
             continue
         if getattr(module, "is_mtp_layer", False) or "mtp" in name.split("."):
-            continue  # MTP routers: layer numbers collide with decoder layers (NeMo-RL #3903)
+            # MTP routers: routes carry no MTP rows; numbered num_layers + depth in 0.16.x and
+            # depth (colliding with decoder layers, NeMo-RL #3903) from 0.19
+            continue
         replay = module.router_replay
         if replay is None:
             disabled.append(name)
@@ -115,15 +131,43 @@ def _collect_routers(model: Any) -> tuple[list[_Router], Any]:
     return routers, lm
 
 
-def _default_groups() -> tuple[Any, Any]:
-    try:
-        from megatron.core import parallel_state
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are installed (non-reentrant checkpointing, activation
+    offloading): a forward with grad enabled may then still be recomputed. torch's query is
+    private (2.x); where it is missing, assume they are."""
+    import torch
 
-        if parallel_state.model_parallel_is_initialized():
-            return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_context_parallel_group()
-    except Exception:  # noqa: BLE001 - no process groups: a single-process model
-        pass
-    return None, None
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except Exception:  # noqa: BLE001 - a changed private signature: be conservative
+        return True
+
+
+def _note_forward(state: _ModelState, j: int, module: Any, args: Any) -> None:
+    """Forward pre-hook on router ``j``: note whether this REPLAY_FORWARD call can be recomputed.
+    Megatron's activation checkpointing (``tensor_parallel.checkpoint``,
+    ``CheckpointWithoutOutput``) runs the checkpointed forward under ``no_grad``; with grad
+    enabled and no saved-tensor hooks the router is not recomputed and its FIFO entry is never
+    popped."""
+    import torch
+
+    replay = module.router_replay
+    if replay is not None and replay.router_replay_action == _action().REPLAY_FORWARD:
+        state.not_recomputed[j] = torch.is_grad_enabled() and not _saved_tensor_hooks_active()
+
+
+_actions: list = []
+
+
+def _action() -> Any:
+    if not _actions:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        _actions.append(RouterReplayAction)
+    return _actions[0]
 
 
 def _check_router(module: Any, name: str) -> None:
@@ -209,7 +253,7 @@ class MicrobatchReplay:
 
     @property
     def int32_bytes(self) -> int:
-        """Bytes of int32 replay data materialised for this microbatch (one block)."""
+        """Bytes of int32 replay data materialised for this microbatch (one tensor per layer)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.replay_data}
         return sum(storages.values())
 
@@ -219,13 +263,26 @@ class MicrobatchReplay:
         forward does not go through the chunk's ``__call__``."""
         if self._switched:
             return
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
+        backward = _action().REPLAY_BACKWARD
         for r in self._routers:
-            r.replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            r.replay.set_router_replay_action(backward)
         self._switched = True
-        if self._state is not None and self._state.pending is self:
-            self._state.pending = None
+        state = self._state
+        if state is not None:
+            if state.pending is self:
+                state.pending = None
+            self._release_unused(state)
+
+    def _release_unused(self, state: _ModelState) -> None:
+        """Drop the FIFO entries of this microbatch that no recompute will pop (forward-only
+        schedule, or the router ran outside activation checkpointing), so that they do not hold
+        memory until the schedule ends."""
+        schedule = router_replay_scope.current_schedule()
+        forward_only = schedule is not None and schedule.forward_only
+        for j, (r, data) in enumerate(zip(self._routers, self.replay_data)):
+            if forward_only or state.not_recomputed[j]:
+                router_replay_scope.release_entry(r.replay, data)
+            state.not_recomputed[j] = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,14 +378,6 @@ def _check_expert_ids(sel: torch.Tensor, rows: torch.Tensor, state: _ModelState)
         )
 
 
-def _group_size_rank(group: Any) -> tuple[int, int]:
-    if group is None:
-        return 1, 0
-    import torch.distributed as dist
-
-    return group.size(), dist.get_rank(group)
-
-
 _fallback_warned = False
 
 
@@ -380,6 +429,7 @@ def replay_routes(
             "layout", f"got {type(layout).__name__}", expected="a replay_plugin.core.layout.TokenMetadataLayout"
         )
     state = _state_of(model)
+    _refuse_combined_1f1b(state)
     batch_shape = tuple(layout.attention_mask.shape)
     routes_t = _check_routes(routes, batch_shape, state)
     mask = _check_mask(router_padding_mask, batch_shape)
@@ -396,6 +446,57 @@ def replay_routes(
     replay = MicrobatchReplay(model_mask, state.layer_numbers, tuple(data), own_rows, state.routers, state)
     state.pending = replay
     return replay
+
+
+def _combined_1f1b_error() -> ReplayConfigError:
+    return ReplayConfigError(
+        "overlap_moe_expert_parallel_comm",
+        "True: training schedules then run combined 1F1B, which overlaps one microbatch's forward with "
+        "another's backward layer by layer and hands forward_step the unwrapped model to build a schedule plan "
+        "instead of running the chunk, so routes cannot be switched from forward to backward replay per microbatch",
+        expected="overlap_moe_expert_parallel_comm=False for training steps that replay routes (forward-only "
+        "schedules, which do not use combined 1F1B, are fine)",
+    )
+
+
+def _scope_applied() -> bool:
+    from megatron.core.pipeline_parallel import schedules
+
+    from replay_plugin.patcher import patch_marker
+
+    fn = inspect.getattr_static(schedules, "forward_backward_no_pipelining", None)
+    return patch_marker(fn) == "megatron.router_replay_scope"
+
+
+def _refuse_combined_1f1b(state: _ModelState) -> None:
+    """Refuse replay inside a training schedule of a model configured for combined 1F1B (inside
+    a forward-only schedule, or outside schedules, the model runs its plain forward). Without
+    the ``megatron.router_replay_scope`` patch the schedule is unknown: refused."""
+    if not getattr(state.config, "overlap_moe_expert_parallel_comm", False):
+        return
+    schedule = router_replay_scope.current_schedule()
+    if schedule is not None and schedule.forward_only:
+        return
+    if schedule is None and _scope_applied():
+        return
+    raise _combined_1f1b_error()
+
+
+def _check_schedule(model: Any, forward_only: bool) -> None:
+    """Run by the scope patch before each top-level schedule: a training schedule of a model
+    chunk this driver has replayed on, configured for combined 1F1B, is refused before it starts."""
+    if forward_only or not _states:
+        return
+    for chunk in model if isinstance(model, (list, tuple)) else [model]:
+        try:
+            state = _states.get(chunk)
+        except TypeError:
+            continue
+        if state is not None and getattr(state.config, "overlap_moe_expert_parallel_comm", False):
+            raise _combined_1f1b_error()
+
+
+router_replay_scope.add_schedule_check(_check_schedule)
 
 
 def _retire_pending(state: _ModelState) -> None:
@@ -440,14 +541,15 @@ class _SequenceShard:
 def _sequence_shard(state: _ModelState, layout: TokenMetadataLayout) -> _SequenceShard:
     """Check that ``layout`` was built for this rank's context-parallel group and fits sequence
     parallelism; return this rank's sequence shard."""
-    cp_size, cp_rank = _group_size_rank(state.cp_group)
+    g = state.groups
+    cp_size, cp_rank = g.cp_size, g.cp_rank
     if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
         raise ReplayDataError(
             "layout",
             f"built for context-parallel rank {layout.cp_rank} of {layout.cp_size}",
             expected=f"rank {cp_rank} of {cp_size} (this process)",
         )
-    tp_size, tp_rank = _group_size_rank(state.tp_group)
+    tp_size, tp_rank = g.tp_size, g.tp_rank
     active = state.sequence_parallel and tp_size > 1
     _, length = layout.output_shape
     if active and length % tp_size:
@@ -530,11 +632,13 @@ def _install(routers: tuple[_Router, ...], data: list[torch.Tensor], own_rows: t
 
 def clear_routes(model: Any) -> None:
     """Clear targets, backward FIFOs and actions of ``model``'s routers (recorded indices
-    stay). Schedules do this themselves (``megatron.router_replay_scope``); call it after
-    replaying outside a schedule."""
+    stay). A schedule drops what it installed itself (``megatron.router_replay_scope``); call
+    this after replaying outside a schedule (routes left there are dropped, with a
+    ``StaleRoutesWarning``, when a schedule installs on the same routers)."""
     state = _state_of(model)
     for r in state.routers:
         r.replay.target_topk_idx = None
         r.replay.replay_backward_list = []
         r.replay.router_replay_action = None
     state.pending = None
+    state.not_recomputed = [False] * len(state.routers)

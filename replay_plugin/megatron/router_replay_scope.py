@@ -1,20 +1,30 @@
-"""Patch ``megatron.router_replay_scope``: scope RouterReplay state to one pipeline schedule.
+"""Patch ``megatron.router_replay_scope``: what a pipeline schedule installs on RouterReplay ends
+with the schedule.
 
 Gap (megatron-core 0.16.0 - 0.19.2; no upstream issue, every RL framework clears it itself):
 ``RouterReplay`` keeps process-global state that nothing in Megatron clears, so a forward-only
-schedule (logprob pass) leaves backward-FIFO entries that the next training step's recompute
-replays (or fails on), and a forward-only pass with grad enabled adds its tokens to the routers'
-expert-bias counts. The wrapper, around each ``forward_backward_*`` schedule, drops stale FIFO
-entries before the schedule (keeping what the caller installed for it), clears targets, FIFOs
-and actions afterwards, and restores the token counts after a forward-only schedule. Remove when
-Megatron scopes that state to a schedule and skips counting in forward-only schedules.
+schedule (logprob pass) that installs routes per microbatch leaves backward-FIFO entries that the
+next training step's recompute replays (or fails on), and a forward-only pass with grad enabled
+adds its tokens to the routers' expert-bias counts.
+
+The wrapper, around each top-level ``forward_backward_*`` schedule, undoes only the schedule's
+own installs: FIFO entries appended during the schedule (``set_target_indices``) and left
+unconsumed are removed, a target and an action it set on a router that had none are reset, and
+after a forward-only schedule the expert-bias counts are restored. State that existed before the
+schedule is left as stock Megatron leaves it: routes installed once and replayed by two
+schedules, ``RECORD`` set once for several schedules, a second model's routes installed before
+this schedule runs. One exception: FIFO entries installed before the schedule on a router the
+schedule installs on again would be popped by this schedule's recompute in place of its own
+routes; they are dropped with a :class:`StaleRoutesWarning` (an error under ``-W error``).
+Remove when Megatron scopes that state to a schedule and skips counting in forward-only schedules.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..patcher import Patcher
@@ -31,69 +41,140 @@ SCHEDULE_FUNCTIONS = (
 COUNT_BUFFERS = ("local_tokens_per_expert", "global_tokens_per_expert", "ga_steps", "qb_beta_accum", "qb_beta_count")
 
 
+class StaleRoutesWarning(UserWarning):
+    """Backward-replay entries installed before a schedule were dropped because the schedule
+    installed routes on the same router (they would have been replayed in place of its own)."""
+
+
+class Schedule:
+    """One top-level schedule running in this thread (see :func:`current_schedule`).
+
+    Attributes:
+        forward_only: the schedule's ``forward_only`` argument (no backward pass, so no
+            recompute pops a FIFO entry).
+    """
+
+    __slots__ = ("forward_only", "instances", "actions", "installed", "stale")
+
+    def __init__(self, forward_only: bool, instances: list) -> None:
+        self.forward_only = forward_only
+        # every RouterReplay and its action when the schedule started
+        self.instances = list(instances)
+        self.actions = [inst.router_replay_action for inst in instances]
+        # instance -> ids of the FIFO entries set_target_indices appended during the schedule
+        self.installed: dict[Any, set[int]] = {}
+        self.stale = 0
+
+
 class _State(threading.local):
-    depth = 0
+    schedule: Schedule | None = None
 
 
 _state = _State()
-# RouterReplay instance -> FIFO entries appended since the previous schedule ended.
-_appended: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def current_schedule() -> Schedule | None:
+    """The top-level schedule this thread is running, or None (outside schedules, or the patch is
+    not applied)."""
+    return _state.schedule
+
+
+_registry: list = []  # RouterReplay (for global_router_replay_instances) and RouterReplayAction, looked up once
+
+
+def _classes() -> tuple[Any, Any]:
+    if not _registry:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        _registry.extend((RouterReplay, RouterReplayAction))
+    return _registry[0], _registry[1]
 
 
 def _observe_set_target(wrapped, instance, args, kwargs):
+    schedule = _state.schedule
+    if schedule is None:
+        return wrapped(*args, **kwargs)
+    own = schedule.installed.get(instance)
+    if own is None:
+        own = schedule.installed[instance] = set()
+        fifo = instance.replay_backward_list
+        if fifo:
+            _drop_stale(schedule, instance, fifo)
     result = wrapped(*args, **kwargs)
-    _appended[instance] = _appended.get(instance, 0) + 1
+    fifo = instance.replay_backward_list
+    if fifo:
+        own.add(id(fifo[-1]))
     return result
 
 
-_registry: list = []  # RouterReplay.global_router_replay_instances, looked up once
+def _drop_stale(schedule: Schedule, instance: Any, fifo: list) -> None:
+    """The schedule installs on ``instance`` while its FIFO still holds entries from before the
+    schedule: stock Megatron would pop those first in this schedule's recompute."""
+    count = len(fifo)
+    del fifo[:]
+    schedule.stale += count
+    if schedule.stale == count:  # the first router of this schedule: one warning per schedule
+        layer = getattr(instance, "layer_number", None)
+        where = f"router layer {layer}" if layer is not None else "a router"
+        warnings.warn(
+            f"replay_plugin: {where} held {count} backward-replay entr{'y' if count == 1 else 'ies'} installed before "
+            "this schedule and never consumed; dropped (with those of any other router this schedule installs on), "
+            "since its recompute would have replayed them in place of the routes installed now. Clear routes "
+            "replayed outside a schedule (replay_plugin.megatron.clear_routes(model) or "
+            "RouterReplay.clear_global_indices()).",
+            StaleRoutesWarning,
+            stacklevel=3,
+        )
 
 
-def _instances() -> list:
-    if not _registry:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        _registry.append(RouterReplay)
-    return _registry[0].global_router_replay_instances
-
-
-# Both loops below run twice per schedule over every RouterReplay in the process (48+ for a
-# large model): they read before they write and touch the weak dictionary only for instances
-# holding data, which keeps a schedule's overhead to a few microseconds.
-
-
-def drop_stale_entries() -> int:
-    """Remove FIFO entries (and targets) not installed since the previous schedule ended;
-    returns how many FIFO entries were dropped."""
-    dropped = 0
-    appended = _appended
-    for inst in _instances():
-        fifo = inst.replay_backward_list
-        if not fifo and inst.target_topk_idx is None:
+def _end(schedule: Schedule) -> None:
+    """Undo what ``schedule`` installed and left unconsumed; leave older state alone."""
+    instances, before, installed = schedule.instances, schedule.actions, schedule.installed
+    now = [inst.router_replay_action for inst in instances]
+    if not installed and now == before:  # nothing installed, no action changed: the common case
+        return
+    _, action_enum = _classes()
+    replay_actions = (action_enum.REPLAY_FORWARD, action_enum.REPLAY_BACKWARD)
+    for inst, own in installed.items():
+        _drop_own(inst, own)
+    for inst, action, current in zip(instances, before, now):
+        if current is None:
             continue
-        fresh = appended.get(inst, 0) if appended else 0
-        if not fresh:
-            inst.target_topk_idx = None
-        stale = len(fifo) - min(fresh, len(fifo))
-        if stale:
-            del fifo[:stale]
-            dropped += stale
-    if appended:
-        appended.clear()
-    return dropped
-
-
-def clear_replay_state() -> None:
-    """Targets, FIFOs and actions of every instance; recorded indices stay."""
-    for inst in _instances():
-        if inst.target_topk_idx is not None:
-            inst.target_topk_idx = None
-        if inst.replay_backward_list:
-            inst.replay_backward_list = []
-        if inst.router_replay_action is not None:
+        # an action the schedule set on a router that had none, or a replay action its own
+        # installs superseded, ends with the schedule
+        if action is None or (action in replay_actions and inst in installed):
             inst.router_replay_action = None
-    if _appended:
-        _appended.clear()
+    for inst in installed.keys() - set(instances):  # instances built during the schedule
+        inst.router_replay_action = None
+
+
+def _drop_own(inst: Any, own: set[int]) -> None:
+    fifo = inst.replay_backward_list
+    if fifo:
+        kept = [t for t in fifo if id(t) not in own]
+        if len(kept) != len(fifo):
+            fifo[:] = kept
+    target = inst.target_topk_idx
+    if target is not None and id(target) in own:
+        inst.target_topk_idx = None
+
+
+def release_entry(instance: Any, entry: Any) -> bool:
+    """Remove ``entry`` (by identity) from ``instance``'s backward FIFO; True if it was there.
+
+    For drivers that know an entry can no longer be consumed (its forward will not be
+    recomputed), so that it does not hold memory until the schedule ends.
+    """
+    fifo = instance.replay_backward_list
+    for i, t in enumerate(fifo):
+        if t is entry:
+            del fifo[i]
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------
+# expert-bias counts of forward-only schedules
 
 
 class _CountPlan:
@@ -203,23 +284,45 @@ class _CountSnapshot:
                 torch._foreach_copy_(dst, src)
 
 
+# ---------------------------------------------------------------------------------------
+# the wrapper
+
+
+#: Callables ``check(model, forward_only)`` run before each top-level schedule; they raise to
+#: refuse it (the replay driver refuses combined 1F1B for models it replays on).
+_schedule_checks: list[Callable[[Any, bool], None]] = []
+
+
+def add_schedule_check(check: Callable[[Any, bool], None]) -> None:
+    if check not in _schedule_checks:
+        _schedule_checks.append(check)
+
+
 def _scope(wrapped, instance, args, kwargs):
-    if _state.depth:
+    if _state.schedule is not None:  # a schedule inside a schedule: the outer one scopes
         return wrapped(*args, **kwargs)
-    snapshot = _CountSnapshot(kwargs.get("model")) if kwargs.get("forward_only", False) else None
-    drop_stale_entries()
-    _state.depth += 1
+    forward_only = bool(kwargs.get("forward_only", False))
+    for check in _schedule_checks:
+        check(kwargs.get("model"), forward_only)
+    snapshot = _CountSnapshot(kwargs.get("model")) if forward_only else None
+    replay_cls, _ = _classes()
+    schedule = Schedule(forward_only, replay_cls.global_router_replay_instances)
+    _state.schedule = schedule
     try:
         return wrapped(*args, **kwargs)
     finally:
-        _state.depth -= 1
-        clear_replay_state()
+        _state.schedule = None
+        _end(schedule)
         if snapshot is not None:
             snapshot.restore()
+
+
+def _reset() -> None:
+    _state.schedule = None
 
 
 def install(patcher: Patcher) -> None:
     for name in SCHEDULE_FUNCTIONS:
         patcher.wrap(name, _scope)
     patcher.wrap("RouterReplay.set_target_indices", _observe_set_target)
-    patcher.on_revert(_appended.clear)
+    patcher.on_revert(_reset)

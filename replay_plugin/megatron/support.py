@@ -11,6 +11,7 @@ vocab-parallel logits.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any, TypeAlias
@@ -22,36 +23,20 @@ import torch.nn.functional as F
 from replay_plugin.core import logprobs as core
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 from replay_plugin.core.layout import TokenMetadataLayout
+from replay_plugin.megatron.groups import Groups, groups_of
 
-__all__ = ["replay_response_logprobs", "support_logprobs"]
+__all__ = ["cp_loss_scale", "replay_response_logprobs", "support_logprobs"]
 
 TensorLike: TypeAlias = "torch.Tensor | np.ndarray"
 
 
 # ---------------------------------------------------------------------------------------
-# Megatron's process groups
+# Megatron's process groups: groups_of (the model's pg_collection, else parallel_state), as the
+# route driver uses them.
 
 
-def _groups(kind: str) -> tuple[Any | None, int, int]:
-    """``(group or None, size, rank)`` of Megatron's tensor- or context-parallel group; a
-    single-process model (parallel state not initialised) is ``(None, 1, 0)``."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        return None, 1, 0
-    if kind == "tp":
-        group, size, rank = (
-            ps.get_tensor_model_parallel_group(),
-            ps.get_tensor_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_rank(),
-        )
-    else:
-        group, size, rank = (
-            ps.get_context_parallel_group(),
-            ps.get_context_parallel_world_size(),
-            ps.get_context_parallel_rank(),
-        )
-    return (group if size > 1 else None), size, rank
+def _reduce(group: Any, size: int) -> Any | None:
+    return group if size > 1 else None
 
 
 def _vocab_start(local_vocab: int, rank: int, size: int) -> int:
@@ -70,6 +55,8 @@ def support_logprobs(
     support_ids: torch.Tensor,
     *,
     temperature: float = 1.0,
+    model: Any = None,
+    pg_collection: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Support-renormalised logprobs on Megatron's vocab-parallel logits.
 
@@ -82,6 +69,8 @@ def support_logprobs(
         support_ids: ``[b, s, W]`` integer (int32 by contract) global ids, ``-1`` padding,
             aligned like ``sampled_ids``.
         temperature: ``T > 0``; the gathered logits are divided by it.
+        model, pg_collection: where the tensor-parallel group comes from: ``pg_collection``,
+            else the model's (``GPTModel(..., pg_collection=)``), else ``parallel_state``.
 
     Returns:
         ``(logprobs, valid)``: float32 ``[b, s]`` and bool ``[b, s]`` (False where the row has
@@ -89,14 +78,14 @@ def support_logprobs(
         equal :func:`replay_plugin.core.logprobs.support_logprobs` on the logits gathered over
         the tensor-parallel group. Two ``all_reduce`` calls when ``tp > 1``.
     """
-    group, size, rank = _groups("tp")
+    g = groups_of(model, pg_collection)
     return core.support_logprobs(
         logits,
         sampled_ids,
         support_ids,
         temperature=temperature,
-        vocab_start=_vocab_start(logits.shape[-1], rank, size),
-        tp_group=group,
+        vocab_start=_vocab_start(logits.shape[-1], g.tp_rank, g.tp_size),
+        tp_group=_reduce(g.tp, g.tp_size),
     )
 
 
@@ -117,6 +106,8 @@ def replay_response_logprobs(
     width: int | None = None,
     sub_sequence_lengths: Sequence[Sequence[int]] | None = None,
     chunk_size: int = core.DEFAULT_CHUNK_SIZE,
+    model: Any = None,
+    pg_collection: Any = None,
 ) -> torch.Tensor:
     """Per-token logprobs of one microbatch, support-renormalised where support was recorded.
 
@@ -159,6 +150,10 @@ def replay_response_logprobs(
             packed into it, if the trainer's controller packs; every row must hold one
             trajectory.
         chunk_size: (token, candidate) pairs per chunk of the fused projection.
+        model, pg_collection: where the tensor- and context-parallel groups come from:
+            ``pg_collection``, else the model chunk's (``GPTModel(..., pg_collection=)``), else
+            Megatron's ``parallel_state``; pass the model built with a custom
+            ``pg_collection`` (the route driver takes its groups from the same place).
 
     Returns:
         float32 ``[B, S - 1]`` (or ``[B, num_actions]``), on the layout's device; position ``s``
@@ -178,7 +173,23 @@ def replay_response_logprobs(
         position, a trajectory with more than one loss-bearing token without support, shapes
         that do not match the layout (e.g. sequence-first logits), a layout built for another
         context-parallel rank; and, from :func:`replay_plugin.core.logprobs.replay_logprobs`,
-        support rows whose logprob is not finite.
+        support rows whose logprob is not finite. The input checks run before any collective
+        on inputs every tensor- and context-parallel rank holds whole (the batch grid); the
+        data-dependent ones (non-finite logprobs of a rank's shard) are agreed over both
+        groups before raising, so every rank raises the same error instead of one rank raising
+        while its peers wait in the context-parallel gather.
+
+    Loss scaling under context parallelism: the result covers the whole microbatch, identical
+    on every context-parallel rank, while its backward reaches only this rank's shard. Megatron
+    treats each CP rank's loss as that rank's share: without ``calculate_per_token_loss`` the
+    3-tuple ``(loss, num_tokens, ...)`` a loss function returns is divided by ``num_tokens`` and
+    the gradients are averaged over the data- and context-parallel ranks; with it, they are
+    divided by ``num_tokens`` summed over those ranks. A loss summed from this result therefore
+    gets gradients scaled by ``1 / cp`` unless it is multiplied by the CP size: return
+    ``(loss_sum * cp_loss_scale(model), num_tokens, ...)`` with ``num_tokens`` the whole
+    microbatch's loss-bearing tokens (the same on every CP rank), which is right in both modes.
+    (The 2-tuple legacy form is multiplied by the CP size by Megatron itself; nothing to do
+    there.)
     """
     if not isinstance(layout, TokenMetadataLayout):
         raise ReplayTypeError(
@@ -190,9 +201,13 @@ def replay_response_logprobs(
     batch, seq = attention.shape
     ids = _grid(input_ids, "input_ids", (batch, seq), device, integer=True)
     _check_sub_sequences(sub_sequence_lengths, layout)
+    if num_actions is not None and (
+        isinstance(num_actions, bool) or not isinstance(num_actions, int) or not 0 < num_actions <= seq - 1
+    ):
+        raise ReplayDataError("num_actions", f"got {num_actions!r}", expected=f"an int in [1, {seq - 1}]")
 
-    tp_group, tp_size, tp_rank = _groups("tp")
-    cp_group, cp_size, cp_rank = _groups("cp")
+    g = groups_of(model, pg_collection)
+    cp_size, cp_rank = g.cp_size, g.cp_rank
     if layout.cp_size != cp_size or layout.cp_rank != cp_rank:
         raise ReplayDataError(
             "layout",
@@ -201,11 +216,11 @@ def replay_response_logprobs(
             f"TokenMetadataLayout.build(..., cp_size={cp_size}, cp_rank={cp_rank})",
         )
     rows, length = layout.output_shape
-    source = _source(output, output_weight, rows, length, tp_size)
+    source = _source(output, output_weight, rows, length, g)
 
     sampled = layout.align(ids, 0, next_token=True)  # [rows, length]: the token each slot predicts
     if support_ids is None:
-        values = _megatron_logprobs(source, sampled, output_weight, temperature)
+        values = _megatron_logprobs(source, sampled, output_weight, temperature, g)
     else:
         values = _support_logprobs_of_slots(
             source,
@@ -217,16 +232,22 @@ def replay_response_logprobs(
             temperature,
             width,
             chunk_size,
-            (tp_group, tp_size, tp_rank),
+            g,
         )
     if cp_size > 1:
-        values = layout.unshard(list(_GatherShards.apply(values, cp_group, cp_rank, cp_size).unbind(0)))
+        values = layout.unshard(list(_GatherShards.apply(values, g.cp, cp_rank, cp_size).unbind(0)))
     out = layout.restore(values, 0.0)  # [B, S - 1]
-    if num_actions is None:
-        return out
-    if isinstance(num_actions, bool) or not isinstance(num_actions, int) or not 0 < num_actions <= seq - 1:
-        raise ReplayDataError("num_actions", f"got {num_actions!r}", expected=f"an int in [1, {seq - 1}]")
-    return out[:, seq - 1 - num_actions :]
+    return out if num_actions is None else out[:, seq - 1 - num_actions :]
+
+
+def cp_loss_scale(model: Any = None, pg_collection: Any = None) -> int:
+    """The factor (the context-parallel size) to multiply a loss summed from
+    :func:`replay_response_logprobs` by before handing Megatron's schedule the 3-tuple
+    ``(loss, num_tokens, ...)``: every CP rank holds the whole microbatch's loss, and Megatron
+    averages (or token-normalises) gradients over the CP ranks as if each held its shard's share.
+    See "Loss scaling under context parallelism" in :func:`replay_response_logprobs`. Groups come
+    from ``pg_collection``, the model's, or ``parallel_state`` (1 without any)."""
+    return groups_of(model, pg_collection).cp_size
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,13 +264,12 @@ def _support_logprobs_of_slots(
     temperature: float,
     width: int | None,
     chunk_size: int,
-    tp: tuple[Any, int, int],
+    g: Groups,
 ) -> torch.Tensor:
     """Replay on: float32 ``[rows, length]`` logprobs of this rank's slots, from the checked
     support ``[B, S, W]`` and loss mask of the batch grid moved to the slots that predict them;
-    ``sampled`` ``[rows, length]`` is the token each slot predicts, ``tp`` the tensor-parallel
-    ``(group, size, rank)``."""
-    tp_group, tp_size, tp_rank = tp
+    ``sampled`` ``[rows, length]`` is the token each slot predicts. Errors found in this rank's
+    slots are agreed over the tensor- and context-parallel groups and name the grid position."""
     attention = layout.attention_mask
     device = attention.device
     batch, seq = attention.shape
@@ -263,6 +283,7 @@ def _support_logprobs_of_slots(
     mask = _loss_grid(loss_mask, (batch, seq), device)
     _check_targets(attention, mask, support)
     trajectory = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
+    column = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
     v_local = source.shape[-1] if output_weight is None else output_weight.shape[0]
     return core.replay_logprobs(
         source,
@@ -273,28 +294,45 @@ def _support_logprobs_of_slots(
         batch,
         lm_head_weight=output_weight,
         temperature=temperature,
-        vocab_start=_vocab_start(v_local, tp_rank, tp_size),
-        tp_group=tp_group,
+        vocab_start=_vocab_start(v_local, g.tp_rank, g.tp_size),
+        tp_group=_reduce(g.tp, g.tp_size),
         chunk_size=chunk_size,
+        agree_groups=(_reduce(g.tp, g.tp_size), _reduce(g.cp, g.cp_size)),
+        token_index=layout.align(column, -1, next_token=True),  # the grid column of the scored token
     ).logprobs
 
 
 def _megatron_logprobs(
-    source: torch.Tensor, sampled: torch.Tensor, weight: torch.Tensor | None, temperature: float
+    source: torch.Tensor, sampled: torch.Tensor, weight: torch.Tensor | None, temperature: float, g: Groups
 ) -> torch.Tensor:
-    """Megatron's own full-vocabulary logprob (replay off): ``[rows, length]`` float32."""
+    """Megatron's own full-vocabulary logprob (replay off): ``[rows, length]`` float32, over
+    the tensor-parallel group of ``g``."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     logits = source if weight is None else F.linear(source, weight)
-    # A new tensor on purpose: vocab_parallel_cross_entropy works in place on its input.
-    scaled = logits / temperature
-    if not ps.model_parallel_is_initialized():  # a single-process model without Megatron's groups
+    if g.source == "none":  # a single-process model without Megatron's groups
+        scaled = logits / temperature
         return torch.log_softmax(scaled.float(), dim=-1).gather(-1, sampled.long().unsqueeze(-1)).squeeze(-1)
-    return -vocab_parallel_cross_entropy(scaled, sampled.long()).float()
+    if "tp_group" in inspect.signature(vocab_parallel_cross_entropy).parameters:  # 0.17+
+        # A new tensor on purpose: vocab_parallel_cross_entropy works in place on its input.
+        return -vocab_parallel_cross_entropy(logits / temperature, sampled.long(), tp_group=g.tp).float()
+    if g.tp_size == ps.get_tensor_model_parallel_world_size() and (
+        g.tp_size == 1 or g.tp is ps.get_tensor_model_parallel_group()
+    ):
+        return -vocab_parallel_cross_entropy(logits / temperature, sampled.long()).float()
+    # megatron-core 0.16.x: vocab_parallel_cross_entropy always reduces over parallel_state's
+    # tensor-parallel group; a model built with another pg_collection gets the same math over its own.
+    return core.full_vocab_logprobs(
+        logits,
+        sampled,
+        temperature=temperature,
+        vocab_start=_vocab_start(logits.shape[-1], g.tp_rank, g.tp_size),
+        tp_group=_reduce(g.tp, g.tp_size),
+    )
 
 
-def _source(output: Any, weight: torch.Tensor | None, rows: int, length: int, tp_size: int) -> torch.Tensor:
+def _source(output: Any, weight: torch.Tensor | None, rows: int, length: int, g: Groups) -> torch.Tensor:
     """The model output as ``[rows, length, V/tp]`` logits or ``[rows, length, H]`` hidden states
     ready for the fused projection (gathered / copied into the tensor-parallel region)."""
     if not isinstance(output, torch.Tensor) or not output.is_floating_point():
@@ -327,6 +365,7 @@ def _source(output: Any, weight: torch.Tensor | None, rows: int, length: int, tp
             f"shape {tuple(getattr(weight, 'shape', ()))} for hidden states {tuple(output.shape)}",
             expected="[V/tp, H] with hidden states [s, b, H]",
         )
+    tp_size = g.tp_size
     sharded = tp_size > 1 and length % tp_size == 0 and output.shape[0] == length // tp_size
     if output.shape[1] != rows or not (output.shape[0] == length or sharded):
         raise ReplayDataError(
@@ -337,10 +376,10 @@ def _source(output: Any, weight: torch.Tensor | None, rows: int, length: int, tp
         )
     if sharded:
         # Sequence parallelism: gather the sequence; backward reduce-scatters the partial sums.
-        hidden = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=True)
+        hidden = gather_from_sequence_parallel_region(output, tensor_parallel_output_grad=True, group=g.tp)
     elif tp_size > 1:
         # Identity forward, all-reduce of the per-shard partial gradients in backward.
-        hidden = copy_to_tensor_model_parallel_region(output)
+        hidden = copy_to_tensor_model_parallel_region(output, group=g.tp)
     else:
         return output.transpose(0, 1)
     # The gradient reaching the region is the transpose of a [rows, length, H] gradient, i.e.

@@ -269,3 +269,51 @@ def test_status_rows_query_records_nothing(target_module):
     rows = {r["name"]: r for r in reg.status_rows(settings.load({"REPLAY_PLUGIN_DISABLE": "1"}))}
     assert rows["q.waiting"]["state"] == "disabled" and "REPLAY_PLUGIN_DISABLE" in rows["q.waiting"]["reason"]
     assert states.records() == []
+
+
+def test_status_says_replaced_when_another_library_replaced_a_wrapped_function(target_module):
+    import functools
+
+    reg = fresh_registry()
+    reg.packs_loaded = True
+    reg.register(spec("r.patch", install=lambda p: p.wrap(f"{MOD}:Target.method", add_one)))
+    assert reg.apply("r.patch", settings.load({})).state == "applied"
+
+    def rows():
+        return {r["name"]: r for r in reg.status_rows(settings.load({}))}
+
+    assert rows()["r.patch"]["state"] == "applied"
+    ours = Target.__dict__["method"]
+
+    @functools.wraps(ours)
+    def on_top(self, x):  # a library wrapping on top, keeping __wrapped__: ours still runs
+        return ours(self, x) * 10
+
+    Target.method = on_top
+    assert rows()["r.patch"]["state"] == "applied" and Target().method(1) == 30
+
+    def replacement(self, x):  # a library replacing it (SkyRL-style ``Cls.attr = fn``, no __wrapped__)
+        return x
+
+    Target.method = replacement
+    row = rows()["r.patch"]
+    assert row["state"] == "replaced"
+    assert "Target.method was replaced by" in row["reason"] and "replacement" in row["reason"]
+    assert "no longer in place" in row["reason"]
+    assert states.get("r.patch").state == "applied"  # the query records nothing
+    Target.method = ours
+    assert rows()["r.patch"]["state"] == "applied"
+    assert reg.revert("r.patch").state == "reverted"
+
+
+def test_partial_revert_keeps_only_the_changes_left_in_place(target_module):
+    import wrapt
+
+    p = Patcher(spec())
+    p.wrap("function", add_one)
+    p.wrap("Target.method", add_one)
+    wrapt.wrap_function_wrapper(MOD, "function", lambda w, i, a, k: w(*a, **k) * 10)
+    assert len(p.revert()) == 1
+    assert Target().method(1) == 2  # undone
+    assert [c.attr for c in p.changes] == ["function"]  # the one someone wrapped on top of
+    assert p.displaced() == []  # still in place, inside the foreign wrapper

@@ -135,6 +135,7 @@ def run_ranks(scenario: Callable, world: int, *, env: dict | None = None, timeou
         res = json.loads(lines[-1][len(RESULT) :])
         if not res["ok"]:
             failures.insert(0, f"rank {r} failed:\n{res['error']}")
+            continue
         values.append(res["value"])
     if failures:
         raise AssertionError(f"{scenario.__name__}: " + "\n".join(failures))

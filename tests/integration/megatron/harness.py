@@ -168,6 +168,7 @@ def build_model(
     seed: int = 0,
     vp_stage: int | None = None,
     vocab_size: int = VOCAB,
+    pg_collection: Any = None,
     **overrides: Any,
 ):
     import torch
@@ -182,7 +183,9 @@ def build_model(
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
     else:
         spec = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
-    extra = {} if vp_stage is None else {"vp_stage": vp_stage}
+    extra: dict = {} if vp_stage is None else {"vp_stage": vp_stage}
+    if pg_collection is not None:
+        extra["pg_collection"] = pg_collection
     return GPTModel(
         config=cfg,
         transformer_layer_spec=spec,

@@ -182,3 +182,40 @@ def test_importing_the_driver_package_imports_neither_torch_nor_megatron():
     )
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
+
+
+LIBRARY_PATCH = '''
+"""A library that patches Megatron by replacement, as SkyRL 0.4.0's
+patch_topk_router_layer_number does (``Cls.attr = plain_function``, no __wrapped__)."""
+from megatron.core.transformer.moe.router import TopKRouter
+
+_original = TopKRouter._apply_expert_bias
+
+
+def patched_apply_expert_bias(self, routing_map, padding_mask=None):
+    return _original(self, routing_map, padding_mask=padding_mask)
+
+
+TopKRouter._apply_expert_bias = patched_apply_expert_bias
+'''
+
+
+def test_status_cli_says_replaced_when_a_library_replaces_a_wrapped_target(tmp_path):
+    need("megatron-core")
+    (tmp_path / "other_library.py").write_text(LIBRARY_PATCH)
+    exe = os.path.join(os.path.dirname(sys.executable), "replay-plugin")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+    env["PYTHONPATH"] = str(tmp_path)
+    proc = subprocess.run(
+        [exe, "status", "--json", "--import", "megatron.core", "--import", "other_library"],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: r for r in json.loads(proc.stdout)["patches"] if r["name"].startswith("megatron.")}
+    row = rows["megatron.expert_bias_padding_mask"]
+    assert row["state"] == "replaced", row
+    assert "TopKRouter._apply_expert_bias was replaced by other_library.patched_apply_expert_bias" in row["reason"]
+    assert rows["megatron.router_replay_scope"]["state"] == "applied"  # untouched patches stay applied

@@ -408,6 +408,149 @@ def scenario_refusals():
     return out
 
 
+def scenario_fifo_bounded(forward_only: bool, recompute: bool, microbatches: int = 4):
+    """Per microbatch, the FIFO lengths when forward_step starts and the storages of the
+    installed data; and whether each recompute replayed its own microbatch."""
+    import contextlib as _contextlib
+
+    import torch
+
+    from replay_plugin.megatron import replay_routes
+
+    extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}
+    model = harness.build_model(num_layers=2, **extra)
+    spy = harness.RouteSpy(model)
+    ids, attention, layout = harness.batch(seed=7)
+    micro = [harness.distinct_routes(B, S, 2, K, E, seed=80 + i) for i in range(microbatches)]
+    out: dict = {"fifo_at_start": [], "own_storage": []}
+
+    def step(m, routes):
+        out["fifo_at_start"].append([len(r.router_replay.replay_backward_list) for _, r in harness.routers(m)])
+        replay = replay_routes(m, routes, ~attention, layout)
+        ptrs = {t.untyped_storage().data_ptr() for t in replay.replay_data}
+        out["own_storage"].append(
+            len(ptrs) == len(replay.replay_data)
+            and all(t.untyped_storage().nbytes() == t.numel() * 4 for t in replay.replay_data)
+        )
+        return harness.forward(m, ids, layout, padding_mask=replay.padding_mask)
+
+    with torch.no_grad() if forward_only else _contextlib.nullcontext():
+        harness.run_schedule(model, micro, forward_only=forward_only, step=step, seq=S, mbs=B)
+    rows = harness.valid_rows(layout)
+    out["backward_ok"] = all(
+        bool((m[rows] == harness.routing_map(harness.aligned_seq_major(r, layout, layer), E)[rows]).all())
+        for layer in (1, 2)
+        for m, r in zip(spy.maps(layer, "REPLAY_BACKWARD"), micro)
+    )
+    out["backward_calls"] = len(spy.maps(1, "REPLAY_BACKWARD"))
+    out["fifo_after"] = [len(r.router_replay.replay_backward_list) for _, r in harness.routers(model)]
+    return out
+
+
+def scenario_non_reentrant_checkpoint():
+    """The whole model under torch's non-reentrant checkpoint: the router runs with grad enabled
+    in the forward and is still recomputed, so its FIFO entry must stay for the backward."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from replay_plugin.megatron import replay_routes
+
+    model = harness.build_model(num_layers=2)
+    spy = harness.RouteSpy(model)
+    ids, attention, layout = harness.batch(seed=8)
+    routes = harness.distinct_routes(B, S, 2, K, E, seed=90)
+    replay = replay_routes(model, routes, ~attention, layout)
+    out = checkpoint(lambda: harness.forward(model, ids, layout, padding_mask=replay.padding_mask), use_reentrant=False)
+    fifo_after_forward = [len(r.router_replay.replay_backward_list) for _, r in harness.routers(model)]
+    error = None
+    try:
+        out.float().mean().backward()
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    rows = harness.valid_rows(layout)
+    return {
+        "fifo_after_forward": fifo_after_forward,
+        "error": error,
+        "recompute_ok": [
+            _maps_equal(spy, n, harness.aligned_seq_major(routes, layout, n), rows, "REPLAY_BACKWARD") for n in (1, 2)
+        ],
+        "grad_enabled_in_forward": torch.is_grad_enabled(),
+    }
+
+
+def scenario_combined_1f1b(patch: bool):
+    """``overlap_moe_expert_parallel_comm`` set on a model the driver replays on: forward-only
+    schedules run the plain path; a training schedule would run combined 1F1B."""
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.megatron import replay_routes
+
+    model = harness.build_model(num_layers=2)
+    ids, attention, layout = harness.batch(seed=9)
+    routes = harness.distinct_routes(B, S, 2, K, E, seed=91)
+    calls = []
+
+    def step(m, _):
+        calls.append(1)
+        replay = replay_routes(m, routes, ~attention, layout)
+        return harness.forward(m, ids, layout, padding_mask=replay.padding_mask)
+
+    out: dict = {}
+    ctx = contextlib.nullcontext() if patch else harness.patch_off("megatron.router_replay_scope")
+    with ctx:
+        harness.run_schedule(model, [None], forward_only=True, step=step, seq=S, mbs=B)
+        # Set after construction: TransformerConfig refuses the setting without expert
+        # parallelism, which the CPU tests cannot run.
+        model.config.overlap_moe_expert_parallel_comm = True
+        try:
+            harness.run_schedule(model, [None], forward_only=True, step=step, seq=S, mbs=B)
+            out["forward_only"] = None
+        except Exception as exc:  # noqa: BLE001
+            out["forward_only"] = f"{type(exc).__name__}: {exc}"
+        calls.clear()
+        try:
+            harness.run_schedule(model, [None, None], forward_only=False, step=step, seq=S, mbs=B)
+            out["training"] = None
+        except ReplayDataError as exc:
+            out["training"] = {"type": type(exc).__name__, "field": exc.field, "message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - the combined-1F1B schedule itself (needs CUDA)
+            out["training"] = {"type": type(exc).__name__, "field": None, "message": str(exc)[:200]}
+        out["forward_steps_run"] = len(calls)
+    return out
+
+
+def scenario_mtp_router_numbers():
+    """A model with one MTP depth: the routers' layer numbers, and the ones the driver replays."""
+    import inspect
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from replay_plugin.megatron import replay_layers
+
+    cfg = harness.config(num_layers=2, mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    kw = (
+        {"use_transformer_engine": False}
+        if "use_transformer_engine" in inspect.signature(get_gpt_mtp_block_spec).parameters
+        else {}
+    )
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=harness.VOCAB,
+        max_sequence_length=harness.MAX_SEQ,
+        mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec, **kw),
+    )
+    return {
+        "routers": {
+            name: m.layer_number
+            for name, m in model.named_modules()
+            if hasattr(m, "router_replay") and hasattr(m, "routing")
+        },
+        "replayed": list(replay_layers(model)),
+    }
+
+
 # --------------------------------------------------------------------------------------
 # tests
 
@@ -509,3 +652,49 @@ def test_refusals_name_the_field(worker):
     assert "expert id -1 in layer 1" in out["negative_in_a_route"]["message"]
     assert out["pending"]["field"] == "model" and "REPLAY_BACKWARD" in out["pending"]["message"]
     assert out["after_clear"] is None
+
+
+@pytest.mark.parametrize("forward_only, recompute", [(True, False), (False, False), (False, True)])
+def test_route_memory_bounded_by_microbatches_in_flight(worker, forward_only, recompute):
+    out = worker.run(scenario_fifo_bounded, forward_only=forward_only, recompute=recompute)
+    assert all(out["own_storage"])  # each layer's entry owns its rows (no shared [L, N, K] block)
+    # no entry of an earlier microbatch is still queued when the next one starts: forward-only and
+    # no-recompute entries are released when the forward returns, recomputed ones when popped
+    assert out["fifo_at_start"] == [[0, 0]] * 4
+    assert out["fifo_after"] == [0, 0]
+    assert out["backward_calls"] == (4 if recompute else 0) and out["backward_ok"]
+
+
+def test_non_reentrant_checkpoint_keeps_the_entry_for_its_recompute(worker):
+    out = worker.run(scenario_non_reentrant_checkpoint)
+    assert out["grad_enabled_in_forward"]
+    assert out["fifo_after_forward"] == [1, 1]  # saved-tensor hooks active: a recompute will pop it
+    assert out["error"] is None and out["recompute_ok"] == [True, True]
+
+
+def test_combined_1f1b_is_refused_before_the_schedule_runs(worker):
+    on = worker.run(scenario_combined_1f1b, patch=True)
+    assert on["forward_only"] is None  # forward-only schedules never take the combined path
+    assert on["training"]["type"] == "ReplayConfigError"
+    assert on["training"]["field"] == "overlap_moe_expert_parallel_comm"
+    assert "switch_to_backward" not in on["training"]["message"]
+    assert on["forward_steps_run"] == 0  # refused up front, nothing installed
+    # Without the scope patch the schedule is unknown to the driver: replay_routes refuses even a
+    # forward-only pass (on CPU the training schedule itself then fails creating CUDA streams)
+    off = worker.run(scenario_combined_1f1b, patch=False)
+    assert off["forward_only"] is not None and "overlap_moe_expert_parallel_comm" in off["forward_only"]
+
+
+def test_mtp_routers_numbered_per_version_and_not_replayed(worker):
+    import importlib.metadata
+
+    from packaging.version import Version
+
+    out = worker.run(scenario_mtp_router_numbers)
+    mtp = {n: v for n, v in out["routers"].items() if n.startswith("mtp.")}
+    decoder = sorted(v for n, v in out["routers"].items() if n.startswith("decoder."))
+    assert decoder == [1, 2] and len(mtp) == 1
+    # 0.16.x: num_layers + depth; 0.19: the depth itself, colliding with decoder layer 1
+    native = Version(importlib.metadata.version("megatron-core")) >= Version("0.19.0")
+    assert list(mtp.values()) == ([1] if native else [3])
+    assert out["replayed"] == [1, 2]

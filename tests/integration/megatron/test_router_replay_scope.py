@@ -4,7 +4,9 @@ Upstream's RouterReplay API is driven the way RL frameworks drive it (``set_repl
 ``set_global_router_replay_action`` in ``forward_step``, ``REPLAY_BACKWARD`` after the
 forward), with full activation recompute so that the backward pass pops the FIFO. Each test
 runs the same scenario with the patch reverted in the Megatron process (upstream behaviour),
-then applied.
+then applied: the leaks (a schedule's own unconsumed installs, forward-only expert-bias counts)
+are gone, and what stock Megatron allows with state set up before a schedule (routes installed
+once for two schedules, RECORD set once, a second model's routes) works as it does upstream.
 """
 
 from __future__ import annotations
@@ -129,6 +131,166 @@ def scenario_forward_only_counts(patch: bool):
     return {"after_train": after_train, "after_logprob": after_logprob, "after_second_train": after_second_train}
 
 
+def _experts_per_call(spy) -> list:
+    """Per router call: (action, sorted set of experts its tokens used)."""
+    import torch
+
+    return [(c["action"], sorted(set(torch.nonzero(c["map"])[:, 1].tolist()))) for c in spy.calls]
+
+
+def _recompute_model():
+    return harness.build_model(
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        moe_router_enable_expert_bias=False,
+    )
+
+
+def _plain(model, batch):
+    return model(batch[0], batch[1], harness.causal_mask(batch[0].shape[1]))
+
+
+def _then_backward(model, batch):
+    """A training forward_step that only switches to REPLAY_BACKWARD after the forward."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    out = _plain(model, batch)
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+    return out
+
+
+def _off_or_on(patch: bool):
+    return contextlib.nullcontext() if patch else harness.patch_off("megatron.router_replay_scope")
+
+
+def scenario_install_once_two_schedules(patch: bool):
+    """Routes installed once (set_replay_data + REPLAY_FORWARD) before a forward-only logprob
+    pass and a training step with full recompute whose forward_step switches to REPLAY_BACKWARD."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    model = _recompute_model()
+    spy = harness.RouteSpy(model)
+    batch = harness.tokens(B, S, 5)
+    out: dict = {}
+    with _off_or_on(patch):
+        idx = torch.tensor([list(LOGPROB_EXPERTS)] * batch[0].numel(), dtype=torch.int32)
+        RouterReplay.set_replay_data([idx] * len(RouterReplay.global_router_replay_instances))
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        harness.run_schedule(model, [batch], forward_only=True, step=_plain, seq=S, mbs=B)
+        out["logprob_calls"] = _experts_per_call(spy)
+        spy.calls.clear()
+        try:
+            harness.run_schedule(model, [batch], forward_only=False, step=_then_backward, seq=S, mbs=B)
+            out["train_error"] = None
+        except Exception as exc:  # noqa: BLE001
+            out["train_error"] = f"{type(exc).__name__}: {exc}"
+        out["train_calls"] = _experts_per_call(spy)
+        out["gate_grads"] = [r.weight.grad is not None for _, r in harness.routers(model)]
+    return out
+
+
+def scenario_record_across_schedules(patch: bool):
+    """RECORD set once (R2 style), then two forward-only schedules over different batches."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    model = harness.build_model(moe_router_enable_expert_bias=False)
+    spy = harness.RouteSpy(model)
+    out: dict = {"recorded_equals_own_routing": []}
+    with _off_or_on(patch):
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+        for seed in (1, 2):
+            spy.calls.clear()
+            harness.run_schedule(model, [harness.tokens(B, S, seed)], forward_only=True, step=_plain, seq=S, mbs=B)
+            recorded = RouterReplay.get_recorded_data()
+            own = [c["map"] for c in spy.calls]  # one call per layer, in layer order
+            out["recorded_equals_own_routing"].append(
+                [rec is not None and bool(torch.equal(harness.routing_map(rec, 4), m)) for rec, m in zip(recorded, own)]
+            )
+        out["action_after"] = [str(r.router_replay_action) for r in RouterReplay.global_router_replay_instances]
+    return out
+
+
+def scenario_two_models_interleaved(patch: bool):
+    """The reference model's routes are installed once; the policy's forward-only passes
+    install their own per microbatch; the two models' passes interleave."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    policy = harness.build_model(seed=0, moe_router_enable_expert_bias=False)
+    reference = harness.build_model(seed=1, moe_router_enable_expert_bias=False)
+    spy_p, spy_r = harness.RouteSpy(policy), harness.RouteSpy(reference)
+    n = B * S
+
+    def install(model, experts):
+        idx = torch.tensor([list(experts)] * n, dtype=torch.int32)
+        for _, r in harness.routers(model):
+            r.router_replay.set_target_indices(idx)
+            r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def policy_step(model, batch):
+        install(model, LOGPROB_EXPERTS)
+        return _plain(model, batch)
+
+    out: dict = {"reference_passes": [], "policy_passes": []}
+    with _off_or_on(patch):
+        install(reference, TRAIN_EXPERTS)  # once, before either model runs
+        for seed in (1, 2):
+            batch = harness.tokens(B, S, seed)
+            spy_p.calls.clear()
+            spy_r.calls.clear()
+            harness.run_schedule(policy, [batch], forward_only=True, step=policy_step, seq=S, mbs=B)
+            harness.run_schedule(reference, [batch], forward_only=True, step=_plain, seq=S, mbs=B)
+            out["policy_passes"].append(_experts_per_call(spy_p))
+            out["reference_passes"].append(_experts_per_call(spy_r))
+        out["policy_fifo_after"] = [len(r.router_replay.replay_backward_list) for _, r in harness.routers(policy)]
+        out["reference_fifo_after"] = [len(r.router_replay.replay_backward_list) for _, r in harness.routers(reference)]
+    return out
+
+
+def scenario_stale_driver_routes(patch: bool):
+    """replay_routes outside a schedule (a forward, no backward, no clear_routes), then a
+    training schedule whose forward_step calls replay_routes for its own batch."""
+    import warnings
+
+    from replay_plugin.megatron import replay_routes
+    from replay_plugin.megatron.router_replay_scope import StaleRoutesWarning
+
+    model = _recompute_model()
+    ids, attention, layout = harness.batch(seed=3, lengths=(8, 8))
+    stale = harness.distinct_routes(B, S, 2, 2, 4, seed=71)
+    fresh = harness.distinct_routes(B, S, 2, 2, 4, seed=72)
+    spy = harness.RouteSpy(model)
+    out: dict = {}
+    with _off_or_on(patch), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replay = replay_routes(model, stale, ~attention, layout)
+        harness.forward(model, ids, layout, padding_mask=replay.padding_mask)
+        out["fifo_before"] = [len(r.router_replay.replay_backward_list) for _, r in harness.routers(model)]
+        spy.calls.clear()
+
+        def step(m, _batch):
+            r = replay_routes(m, fresh, ~attention, layout)
+            return harness.forward(m, ids, layout, padding_mask=r.padding_mask)
+
+        harness.run_schedule(model, [None], forward_only=False, step=step, seq=S, mbs=B)
+    rows = harness.valid_rows(layout)
+    out["backward_replays"] = {}
+    for layer in (1, 2):
+        maps = spy.maps(layer, "REPLAY_BACKWARD")
+        expected = {
+            name: harness.routing_map(harness.aligned_seq_major(r, layout, layer), 4)
+            for name, r in (("stale", stale), ("fresh", fresh))
+        }
+        out["backward_replays"][layer] = [
+            [name for name, want in expected.items() if bool((m[rows] == want[rows]).all())] for m in maps
+        ]
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, StaleRoutesWarning)]
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # tests
 
@@ -188,3 +350,50 @@ def test_forward_only_schedule_leaves_expert_bias_counts(worker):
     assert on["after_logprob"] == on["after_train"]
     # training schedules still count (the patch does not switch counting off)
     assert [sum(c) for c in on["after_second_train"]] == [sum(c) + 32 for c in on["after_train"]]
+
+
+def test_routes_installed_once_replay_in_two_schedules(worker):
+    """Stock: the logprob forward, the training forward and its recompute all replay the
+    routes installed once. Stock behaviour is the reference; the patch must not change it."""
+    off = worker.run(scenario_install_once_two_schedules, patch=False)
+    replayed = list(LOGPROB_EXPERTS)
+    assert off["train_error"] is None
+    assert [c for c in off["logprob_calls"]] == [["REPLAY_FORWARD", replayed]] * 2
+    train_actions = sorted(a for a, _ in off["train_calls"])
+    assert train_actions == ["REPLAY_BACKWARD"] * 2 + ["REPLAY_FORWARD"] * 2  # forward + recompute, 2 layers
+    assert all(e == replayed for _, e in off["train_calls"])
+
+    on = worker.run(scenario_install_once_two_schedules, patch=True)
+    assert on == off
+
+
+def test_record_set_once_records_every_schedule(worker):
+    off = worker.run(scenario_record_across_schedules, patch=False)
+    assert off["recorded_equals_own_routing"] == [[True, True], [True, True]]
+    assert off["action_after"] == ["RouterReplayAction.RECORD"] * 2
+    on = worker.run(scenario_record_across_schedules, patch=True)
+    assert on == off
+
+
+def test_two_models_interleaving_forward_only_passes(worker):
+    off = worker.run(scenario_two_models_interleaved, patch=False)
+    # stock: the reference replays what was installed for it in both of its passes
+    assert off["reference_passes"] == [[["REPLAY_FORWARD", list(TRAIN_EXPERTS)]] * 2] * 2
+    assert off["policy_passes"] == [[["REPLAY_FORWARD", list(LOGPROB_EXPERTS)]] * 2] * 2
+    assert off["policy_fifo_after"] == [2, 2]  # the policy's per-microbatch installs leak
+    on = worker.run(scenario_two_models_interleaved, patch=True)
+    assert on["reference_passes"] == off["reference_passes"]
+    assert on["policy_passes"] == off["policy_passes"]
+    assert on["policy_fifo_after"] == [0, 0]  # its own installs end with each schedule
+    assert on["reference_fifo_after"] == off["reference_fifo_after"] == [1, 1]  # installed before: left as is
+
+
+def test_stale_routes_from_outside_a_schedule_are_dropped_with_a_warning(worker):
+    off = worker.run(scenario_stale_driver_routes, patch=False)
+    assert off["fifo_before"] == [1, 1]
+    # stock: the recompute pops the routes replayed outside the schedule: a silent wrong backward
+    assert off["backward_replays"] == {"1": [["stale"]], "2": [["stale"]]}
+    assert off["warnings"] == []
+    on = worker.run(scenario_stale_driver_routes, patch=True)
+    assert on["backward_replays"] == {"1": [["fresh"]], "2": [["fresh"]]}
+    assert len(on["warnings"]) == 1 and "installed before this schedule" in on["warnings"][0]

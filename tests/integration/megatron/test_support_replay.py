@@ -515,8 +515,8 @@ def test_support_replay_tensor_and_context_parallel():
         assert u["replayed_minus_rollout_max"] < tol, u
         replayed_eos, full_eos, ordinary_eos = u["eos"]
         assert abs(replayed_eos - full_eos) < tol and abs(ordinary_eos - full_eos) < tol
-        # 4 all_reduce whether or not a synthetic EOS row needs the full vocabulary
-        assert u["collectives"][0] == u["collectives"][1] == {"all_reduce": 4, "all_gather": 0}
+        # 4 all_reduce + 1 to agree on errors, whether or not a synthetic EOS row needs the full vocabulary
+        assert u["collectives"][0] == u["collectives"][1] == {"all_reduce": 5, "all_gather": 0}
 
         off = tp["replay_off"]
         assert off["vs_megatron"] < 1e-6 and off["vs_reference"] < tol and off["logits_untouched"] == 0.0, off
@@ -547,12 +547,139 @@ def test_support_replay_tensor_and_context_parallel():
         assert cp["local_shape"] == [1, packed["logits_shape"][1] // 2, V]
         assert cp["vs_tp_packed"] < tol and cp["grad"] < tol and cp["grad_norm"] > 0.1, cp
         assert cp["fused_vs_tp_packed"] < tol and cp["off_vs_tp_packed_off"] < tol, cp
-        assert cp["collectives"] == {"all_reduce": 0, "all_gather": 1}  # TP = 1 here: the CP gather only
+        # TP = 1 here: the agreement on errors over CP, then the CP gather
+        assert cp["collectives"] == {"all_reduce": 1, "all_gather": 1}
         assert cp["wrong_rank"] is not None and "context-parallel rank" in cp["wrong_rank"], cp
     # the hidden-state gradient is all-reduced over the vocabulary shards: the same on both ranks
     assert ranks[0]["tp"]["fused"]["hidden_grad_sum"] == pytest.approx(
         ranks[1]["tp"]["fused"]["hidden_grad_sum"], rel=1e-5
     )
+
+
+# --------------------------------------------------------------------------------------
+# context parallelism, error path: every rank raises
+
+
+def scenario_cp_nan(rank: int, fused: bool) -> dict:
+    """CP=2; rank 1's logits shard (or hidden states) holds NaN, rank 0's is finite."""
+    import time
+
+    import torch
+
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.core.layout import TokenMetadataLayout
+    from replay_plugin.megatron import replay_response_logprobs
+
+    harness.reinit_parallel(tp=1, cp=2)
+    ids, attention, loss = _batch()
+    support = torch.full((B, S, K), -1, dtype=torch.int32)
+    support[loss, 0] = ids[loss].int()
+    support[loss, 1] = (ids[loss].int() + 1) % V
+    layout = TokenMetadataLayout.build(attention, packed=True, align=4, cp_size=2, cp_rank=rank)
+    _, length = layout.output_shape
+    g = torch.Generator().manual_seed(rank)
+    weight = torch.randn(V, H, generator=g) if fused else None
+    output = torch.randn(length, 1, H, generator=g) if fused else torch.randn(1, length, V, generator=g)
+    if rank == 1:
+        output.fill_(float("nan"))
+    start = time.monotonic()
+    try:
+        replay_response_logprobs(output, ids, layout, support_ids=support, loss_mask=loss, output_weight=weight)
+        error = None
+    except ReplayDataError as exc:
+        error = {"field": exc.field, "trajectory": exc.trajectory, "token": exc.token, "message": str(exc)}
+    return {"error": error, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_context_parallel_ranks_agree_before_raising(fused):
+    """A NaN only in rank 1's shard: both ranks raise the same error (before, rank 1 raised after
+    the tensor-parallel reductions while rank 0 waited in the context-parallel all_gather until
+    the process-group timeout, or failed when the raising rank tore its process group down). The
+    subprocess timeout only guards against that hang."""
+    need("megatron-core")
+    ranks = harness.run_ranks(scenario_cp_nan, 2, timeout=240, fused=fused)
+    errors = [r["error"] for r in ranks]
+    assert all(e is not None for e in errors), errors
+    assert all(e["field"] == "support_ids" and "not finite" in e["message"] for e in errors)
+    assert (errors[0]["trajectory"], errors[0]["token"]) == (errors[1]["trajectory"], errors[1]["token"])
+    assert "found by another rank: ranks (1,)" in errors[0]["message"]
+    assert "another rank" not in errors[1]["message"]
+    # the token is the grid position of the scored token, a loss-bearing one of its trajectory
+    b, s = errors[0]["trajectory"], errors[0]["token"]
+    assert 0 <= b < B and S - LENGTHS[b] + PROMPTS[b] <= s < S
+
+
+# --------------------------------------------------------------------------------------
+# process groups: the model's pg_collection, in the driver and in support replay
+
+
+def scenario_custom_pg_collection(rank: int) -> dict:
+    """parallel_state has CP=2; the model is built with a pg_collection whose context-parallel
+    group is this rank alone (a replica): the driver and support replay must both use the model's."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from replay_plugin.core import logprobs as core
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.core.layout import TokenMetadataLayout
+    from replay_plugin.megatron import groups_of, replay_layers, replay_response_logprobs, replay_routes
+
+    harness.reinit_parallel(tp=1, cp=2)
+    alone = [dist.new_group([r]) for r in range(2)][rank]
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    for name in ("cp", "tp_cp", "dp_cp", "tp_dp_cp"):
+        if hasattr(pg, name):
+            setattr(pg, name, alone)
+    model = harness.build_model(num_layers=2)  # parallel_state's groups
+    custom = harness.build_model(num_layers=2, pg_collection=pg)
+    out: dict = {
+        "sources": [groups_of(model).source, groups_of(custom).source],
+        "cp_sizes": [groups_of(model).cp_size, groups_of(custom).cp_size],
+    }
+    ids, attention, loss = _batch()
+    layout = TokenMetadataLayout.build(attention, packed=True, align=4)  # the model's: no CP
+    routes = harness.distinct_routes(B, S, 2, 2, 4, seed=5)
+    replay_layers(custom)
+    try:
+        replay_routes(custom, routes, ~attention, layout)
+        out["driver"] = None
+    except ReplayDataError as exc:
+        out["driver"] = str(exc)
+    support = torch.full((B, S, K), -1, dtype=torch.int32)
+    support[loss, 0] = ids[loss].int()
+    support[loss, 1] = (ids[loss].int() + 1) % V
+    _, length = layout.output_shape
+    logits = torch.randn(1, length, V, generator=torch.Generator().manual_seed(3))
+    kw = dict(support_ids=support, loss_mask=loss, temperature=TEMPERATURE)
+    values = replay_response_logprobs(logits, ids, layout, model=custom, **kw)
+    expected = core.replay_logprobs(
+        logits,
+        layout.align(ids, 0, next_token=True),
+        layout.align(support, -1, next_token=True),
+        layout.align(loss, False, next_token=True),
+        layout.align(torch.arange(B).unsqueeze(1).expand(B, S), -1, next_token=True),
+        B,
+        temperature=TEMPERATURE,
+    ).logprobs
+    out["support_vs_single_rank"] = float((values - layout.restore(expected, 0.0)).abs().max())
+    try:  # without the model: parallel_state's CP=2 does not fit the model's layout
+        replay_response_logprobs(logits, ids, layout, **kw)
+        out["support_without_model"] = None
+    except ReplayDataError as exc:
+        out["support_without_model"] = str(exc)
+    return out
+
+
+def test_one_source_of_process_groups():
+    need("megatron-core")
+    for res in harness.run_ranks(scenario_custom_pg_collection, 2):
+        assert res["sources"] == ["pg_collection", "pg_collection"]
+        assert res["cp_sizes"] == [2, 1]
+        assert res["driver"] is None  # the router's layout check uses the model's CP group
+        assert res["support_vs_single_rank"] < 1e-5
+        assert res["support_without_model"] is not None and "context-parallel rank" in res["support_without_model"]
 
 
 # --------------------------------------------------------------------------------------

@@ -305,3 +305,55 @@ def test_replay_logprobs_reports_rows_without_member_in_the_vocabulary():
         replay_logprobs(logits, y, support, loss, traj, 2)
     assert (err.value.trajectory, err.value.token, err.value.field) == (1, 2, "support_ids")
     assert "not finite" in str(err.value)
+
+
+def test_replay_from_logits_keeps_no_copy_of_the_logits_and_makes_one_dense_gradient():
+    """torch's own gather saves its whole input for the backward; replay from logits saves only
+    indices, and the support candidates and the synthetic-EOS row share one dense gradient."""
+    import gc
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(3)
+    b, s, v, w = 2, 6, 40, 3
+    base = torch.randn(b, s, v, generator=g, requires_grad=True)
+    y = torch.randint(0, v, (b, s), generator=g)
+    support = torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(b * s)]).view(b, s, w).int()
+    support[..., 0] = y.int()
+    support[1, s - 1] = -1  # a synthetic EOS: scored over the full vocabulary
+    loss = torch.ones(b, s, dtype=torch.bool)
+    traj = torch.arange(b).unsqueeze(1).expand(b, s)
+
+    logits = base * 1.0  # a non-leaf: alive only while someone holds it
+    alive = weakref.ref(logits)
+    res = replay_logprobs(logits, y, support, loss, traj, b)
+    del logits
+    gc.collect()
+    assert alive() is None  # the graph kept nothing of the [b, s, V] logits
+
+    class _DenseAllocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (
+                isinstance(out, torch.Tensor)
+                and out.numel() == b * s * v
+                and func.__name__.startswith(
+                    ("zeros", "new_zeros", "empty", "new_empty", "add.", "scatter_add.", "index_add.")
+                )
+            ):
+                self.count += 1
+            return out
+
+    with _DenseAllocations() as mode:
+        res.logprobs.sum().backward()
+    assert mode.count == 1, mode.count  # one zeros buffer, filled in place
+    ref_logits = base.detach().clone().requires_grad_()
+    ref = reference(ref_logits, y, support, 1.0)
+    ref[1, s - 1] = full_vocab_reference(ref_logits, y, 1.0)[1, s - 1]
+    ref.sum().backward()
+    torch.testing.assert_close(base.grad, ref_logits.grad.float(), rtol=1e-5, atol=1e-6)

@@ -166,3 +166,32 @@ def _check_tp(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_matches_single_rank(world):
     _spawn("_check_tp", world)
+
+
+def _check_agree(rank, world):
+    """Each rank holds different positions (as context-parallel shards do); only the last rank's
+    logits hold NaN. With agree_groups every rank raises, naming the same trajectory and token."""
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.core.logprobs import replay_logprobs
+
+    _, _, y, support, loss, traj, _ = _inputs(with_eos=False)
+    logits = torch.randn(B, S, V, generator=torch.Generator().manual_seed(rank))
+    if rank == world - 1:
+        logits[2, 3] = float("nan")
+    tokens = torch.arange(S).expand(B, S)
+    with pytest.raises(ReplayDataError) as err:
+        replay_logprobs(logits, y, support, loss, traj, B, agree_groups=[dist.group.WORLD], token_index=tokens)
+    assert (err.value.trajectory, err.value.token) == (2, 3)
+    assert ("found by another rank" in str(err.value)) == (rank != world - 1)
+    # the agreement is one all_reduce whatever the data
+    counter = _Counter()
+    dist.all_reduce = counter
+    try:
+        replay_logprobs(torch.randn(B, S, V), y, support, loss, traj, B, agree_groups=[dist.group.WORLD])
+    finally:
+        dist.all_reduce = counter.real
+    assert counter.calls == 1
+
+
+def test_ranks_agree_before_raising():
+    _spawn("_check_agree", 2)
