@@ -24,11 +24,14 @@ top-level file is used. Schema (version 1)::
         versions: ">=0.16.0,<0.20"
         default: true                 # its toggle is REPLAY_PLUGIN_<NAME> (spec.toggle_name)
         fingerprints: {<version>: {<target or relied-on>: "sha256:<16 hex>"}}
+                                      # a relied-on name a version does not define: "absent"
         untested: {<version range>: reason}   # optional: paths CI cannot run (e.g. GPU-only)
         why / fix / remove_when: str
 
-Each recorded version's fingerprints hold exactly the targets and the relied-on names. At run
-time the registry compares the targets only (resolving relied-on code would import modules the
+Each recorded version's fingerprints hold exactly the targets and the relied-on names. A
+relied-on name that one version does not define (code that moved between releases: a router
+class added, a method folded into another) is recorded as ``absent`` for it; a target never is.
+At run time the registry compares the targets only (resolving relied-on code would import modules the
 job may never import, such as vLLM's server in an engine process); ``replay-plugin matrix
 --check`` compares both and names each one that changed.
 
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import os
@@ -192,21 +196,51 @@ def source_fingerprint(obj: Any) -> str:
     return _digest(inspect.getsource(inspect.unwrap(obj)))
 
 
+#: The recorded "fingerprint" of a relied-on name that a version does not define.
+ABSENT = "absent"
+
+
 class StaticSourceError(LookupError):
     """A name cannot be located in source files without importing them."""
 
 
-def static_fingerprint(root: str, name: str) -> str:
+class StaticNameAbsent(StaticSourceError):
+    """The module's source exists and defines no such name (nor does any base class of a class
+    on the path, where every base could be read)."""
+
+
+def resolve_fingerprint(name: str) -> str:
+    """:func:`source_fingerprint` of ``name`` (``module:qualname``), imported; :data:`ABSENT` when
+    the module imports and does not define it. Other failures (the module does not import, the
+    source cannot be read) raise."""
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return ABSENT
+    return source_fingerprint(obj)
+
+
+def static_fingerprint(root: str, name: str, absent_ok: bool = False) -> str:
     """The fingerprint :func:`source_fingerprint` gives ``name`` (``module:qualname``), read from
     the source files under ``root`` (a site-packages directory or an unpacked wheel) without
     importing anything: ``from ... import`` re-exports and base classes of a class are followed.
+    With ``absent_ok``, :data:`ABSENT` when the module defines no such name (as
+    :func:`resolve_fingerprint`); else :class:`StaticNameAbsent`.
 
     Raises :class:`StaticSourceError` when the name is not defined plainly (defined by a loop,
     ``exec``, a conditional with several definitions, ...): record it from an installed
     environment instead (``scripts/sync.py --fingerprints``).
     """
     module, _, qualname = name.partition(":")
-    lines, node = _locate(root, module, qualname.split("."), depth=0)
+    try:
+        lines, node = _locate(root, module, qualname.split("."), depth=0)
+    except StaticNameAbsent:
+        if absent_ok:
+            return ABSENT
+        raise
     return _digest("".join(lines[_first_line(node) - 1 : _block_end(lines, node)]))
 
 
@@ -263,6 +297,8 @@ def _locate(root: str, module: str, parts: list[str], depth: int) -> tuple[list[
             if node is not None and isinstance(node, ast.ClassDef) and not found:
                 return _inherited(root, module, tree, node, parts[i:], depth)
             where = f"{module}:{'.'.join(parts[: i + 1])}"
+            if not found and node is None and not _star_imports(tree):
+                raise StaticNameAbsent(f"{where}: not defined")
             raise StaticSourceError(f"{where}: {len(found)} definitions found (need exactly one)")
         stmt = found[0]
         if isinstance(stmt, ast.ImportFrom):
@@ -278,6 +314,10 @@ def _locate(root: str, module: str, parts: list[str], depth: int) -> tuple[list[
         body = stmt.body
     assert node is not None
     return lines, node
+
+
+def _star_imports(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in ast.walk(tree))
 
 
 def _is_type_checking_only(tree: ast.Module, stmt: ast.stmt) -> bool:
@@ -302,15 +342,21 @@ def _import_source(module: str, stmt: ast.ImportFrom, root: str) -> str:
 def _inherited(
     root: str, module: str, tree: ast.Module, cls: ast.ClassDef, parts: list[str], depth: int
 ) -> tuple[list[str], _Def]:
-    """``parts`` looked up in the base classes of ``cls`` (in order, depth first)."""
+    """``parts`` looked up in the base classes of ``cls`` (in order, depth first). Absent when
+    every base is ``nn.Module``-like (an attribute: not followed, as before) or read under ``root``
+    and none defines them."""
+    unreadable = False
     for base in cls.bases:
         if not isinstance(base, ast.Name):
             continue
         try:
             return _locate(root, module, [base.id, *parts], depth + 1)
-        except StaticSourceError:
+        except StaticNameAbsent:
             continue
-    raise StaticSourceError(f"{module}:{cls.name}.{'.'.join(parts)} not found in the class or its bases")
+        except StaticSourceError:
+            unreadable = True
+    error = StaticSourceError if unreadable else StaticNameAbsent
+    raise error(f"{module}:{cls.name}.{'.'.join(parts)} not found in the class or its bases")
 
 
 def _first_line(node: _Def) -> int:
@@ -368,13 +414,21 @@ def check_fingerprints(
     unknown)."""
     current: dict[str, str] = {}
     for name in targets + relies_on:
+        relied = name in relies_on and name not in targets
         try:
-            current[name] = source_fingerprint(pkgutil.resolve_name(name))
+            # a relied-on name a version does not define is recorded as ABSENT; a target must exist
+            current[name] = resolve_fingerprint(name) if relied else source_fingerprint(pkgutil.resolve_name(name))
         except Exception as exc:  # noqa: BLE001 - any failure means the code is gone
-            kind = "relied-on " if name in relies_on and name not in targets else ""
-            return FingerprintCheck("missing", f"cannot resolve {kind}{name}: {exc!r}", current)
+            return FingerprintCheck("missing", f"cannot resolve {'relied-on ' * relied}{name}: {exc!r}", current)
     if not fingerprints:
         return FingerprintCheck("unrecorded", "no fingerprints recorded", current)
+
+    def gone(tgt: list[str], rel: list[str], version: str) -> FingerprintCheck | None:
+        absent = [r for r in rel if current[r] == ABSENT]
+        if not absent:
+            return None
+        detail = f"cannot resolve relied-on {', '.join(absent)} (defined in {version})"
+        return FingerprintCheck("missing", detail, current, tgt, rel)
 
     def changed(prints: Mapping[str, str]) -> tuple[list[str], list[str]]:
         return (
@@ -385,6 +439,8 @@ def check_fingerprints(
     recorded = recorded_for(fingerprints, version)
     if recorded is not None:
         tgt, rel = changed(recorded)
+        if missing := gone(tgt, rel, str(version)):
+            return missing
         if tgt or rel:
             parts = [f"source of {', '.join(tgt)}"] if tgt else []
             parts += [f"relied-on {', '.join(rel)}"] if rel else []
@@ -397,6 +453,8 @@ def check_fingerprints(
             return FingerprintCheck("known", f"{label}; sources equal those of {other}", current)
     nearest = _nearest(list(fingerprints), version)
     tgt, rel = changed(fingerprints[nearest])
+    if missing := gone(tgt, rel, nearest):
+        return missing
     against = "; ".join([f"targets {', '.join(tgt)}"] * bool(tgt) + [f"relied-on {', '.join(rel)}"] * bool(rel))
     return FingerprintCheck(
         "drift",
@@ -584,6 +642,8 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
             )
         if not version_in(str(version), versions):
             raise CompatMatrixError(f"{where}: fingerprinted version {version} is outside {versions}")
+        if any(prints[t] == ABSENT for t in targets):
+            raise CompatMatrixError(f"{where}: fingerprints[{version}]: a target cannot be {ABSENT!r}")
     untested = value.get("untested") or {}
     if not isinstance(untested, dict):
         raise CompatMatrixError(f"{where}: 'untested' must map version ranges to reasons")

@@ -192,7 +192,10 @@ def record_wheel_fingerprints(paths: list[str]) -> None:
                 if patch.upstream != up.key or not compat.version_in(version, patch.versions):
                     continue
                 try:
-                    prints = {t: compat.static_fingerprint(root, t) for t in patch.fingerprinted}
+                    prints = {
+                        t: compat.static_fingerprint(root, t, absent_ok=t not in patch.targets)
+                        for t in patch.fingerprinted
+                    }
                 except compat.StaticSourceError as exc:
                     raise SystemExit(f"{name} in {os.path.basename(wheel)}: {exc}") from exc
                 recorded.setdefault(name, {})[public] = prints
@@ -248,7 +251,10 @@ def diff_versions(upstream: str, old: str, new: str) -> int:
         for t in tgt:
             print(f"  target    {t}")
         for r in rel:
-            print(f"  relied-on {r}")
+            moved = ""
+            if compat.ABSENT in (a[r], b[r]):
+                moved = f" ({compat.ABSENT} in {old if a[r] == compat.ABSENT else new})"
+            print(f"  relied-on {r}{moved}")
     return missing
 
 

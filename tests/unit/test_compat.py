@@ -159,6 +159,32 @@ def test_check_fingerprints_names_changed_relied_on_code():
     assert gone.state == "missing" and f"cannot resolve relied-on {__name__}:gone" in gone.detail
 
 
+def test_relied_on_code_a_version_does_not_define():
+    """Code that moved between releases: recorded as ABSENT where a version does not define it;
+    a version that then lacks code recorded as present is `missing`, and a target is never ABSENT."""
+    target, absent, relied = f"{__name__}:_target_function", f"{__name__}:_Moved", f"{__name__}:_relied_function"
+    t, r = compat.source_fingerprint(_target_function), compat.source_fingerprint(_relied_function)
+    recorded = compat.check_fingerprints((target,), {}, "1.0", relies_on=(absent, relied))
+    assert recorded.state == "unrecorded" and recorded.fingerprints[absent] == compat.ABSENT
+    prints = {"1.0": {target: t, absent: compat.ABSENT, relied: r}, "2.0": {target: t, absent: "sha256:1", relied: r}}
+    assert compat.check_fingerprints((target,), prints, "1.0", relies_on=(absent, relied)).state == "match"
+    assert compat.check_fingerprints((target,), prints, "1.5", relies_on=(absent, relied)).state == "known"
+    moved = compat.check_fingerprints((target,), prints, "2.0", relies_on=(absent, relied))
+    assert moved.state == "missing" and moved.changed_relied_on == [absent] and not moved.ok
+    assert moved.detail == f"cannot resolve relied-on {absent} (defined in 2.0)"
+    assert compat.check_fingerprints((target,), prints, "2.1", relies_on=(absent, relied)).state == "known"  # = 1.0
+    # the other way round: recorded absent, present now
+    prints = {"1.0": {target: t, absent: compat.ABSENT, relied: compat.ABSENT}}
+    drift = compat.check_fingerprints((target,), prints, "1.0", relies_on=(absent, relied))
+    assert drift.state == "drift" and drift.changed_relied_on == [relied]
+    raw = _raw()
+    entry = raw["patches"]["megatron.router_replay_scope"]
+    version = next(iter(entry["fingerprints"]))
+    entry["fingerprints"][version][entry["targets"][0]] = compat.ABSENT
+    with pytest.raises(compat.CompatMatrixError, match="a target cannot be 'absent'"):
+        compat.parse(raw)
+
+
 def _relied_function():
     return 2
 
@@ -255,6 +281,9 @@ else:
         "pkg.impl:Child.inherited",
         "pkg.impl:Child.Inner.method",
         "pkg.impl:alias",
+        "pkg.impl:Gone",  # not defined: both ways say ABSENT
+        "pkg.impl:Child.gone",  # in neither the class nor its base
+        "pkg:Gone",
     ],
 )
 def test_static_fingerprint_equals_the_imported_one(tmp_path, monkeypatch, name):
@@ -268,11 +297,14 @@ def test_static_fingerprint_equals_the_imported_one(tmp_path, monkeypatch, name)
     for mod in ("pkg", "pkg.impl"):
         sys.modules.pop(mod, None)
     try:
-        imported = compat.source_fingerprint(pkgutil.resolve_name(name))
+        imported = compat.resolve_fingerprint(name)
+        if imported != compat.ABSENT:
+            assert imported == compat.source_fingerprint(pkgutil.resolve_name(name))
     finally:
         for mod in ("pkg", "pkg.impl"):
             sys.modules.pop(mod, None)
-    assert compat.static_fingerprint(str(tmp_path), name) == imported
+    assert (imported == compat.ABSENT) == ("gone" in name.lower())
+    assert compat.static_fingerprint(str(tmp_path), name, absent_ok=True) == imported
 
 
 def test_static_fingerprint_refuses_what_it_cannot_locate(tmp_path):
@@ -281,7 +313,18 @@ def test_static_fingerprint_refuses_what_it_cannot_locate(tmp_path):
         (tmp_path / rel).write_text(text)
     with pytest.raises(compat.StaticSourceError, match="pkg.impl:conditional: 2 definitions found"):
         compat.static_fingerprint(str(tmp_path), "pkg.impl:conditional")
-    with pytest.raises(compat.StaticSourceError, match="not found in the class or its bases"):
+    with pytest.raises(compat.StaticNameAbsent, match="not found in the class or its bases"):
         compat.static_fingerprint(str(tmp_path), "pkg.impl:Child.nope")
+    with pytest.raises(compat.StaticNameAbsent, match="pkg.impl:Nope: not defined"):
+        compat.static_fingerprint(str(tmp_path), "pkg.impl:Nope")
+    # a base class read from outside the root may define it: not known to be absent
+    (tmp_path / "pkg" / "outside.py").write_text("from elsewhere import Base\n\n\nclass C(Base):\n    pass\n")
+    with pytest.raises(compat.StaticSourceError, match="not found in the class or its bases") as info:
+        compat.static_fingerprint(str(tmp_path), "pkg.outside:C.method", absent_ok=True)
+    assert not isinstance(info.value, compat.StaticNameAbsent)
+    # a star import may define anything
+    (tmp_path / "pkg" / "star.py").write_text("from elsewhere import *\n")
+    with pytest.raises(compat.StaticSourceError, match="0 definitions found"):
+        compat.static_fingerprint(str(tmp_path), "pkg.star:anything", absent_ok=True)
     with pytest.raises(compat.StaticSourceError, match="no source file for module pkg.nope"):
         compat.static_fingerprint(str(tmp_path), "pkg.nope:f")

@@ -67,7 +67,7 @@ def test_matrix_check_passes_on_the_tested_environment(report):
 def test_static_fingerprints_equal_the_imported_ones(report):
     """scripts/sync.py records untested releases from their wheels' sources without importing
     them (compat.static_fingerprint); here both ways run on the installed upstreams and agree
-    for every target and relied-on name."""
+    for every target and relied-on name (relied-on code this version does not define included)."""
     import site
 
     from replay_plugin import compat
@@ -79,7 +79,7 @@ def test_static_fingerprints_equal_the_imported_ones(report):
             continue
         for name, imported in row["fingerprints"].items():
             (root,) = [r for r in roots if os.path.exists(os.path.join(r, name.partition(".")[0]))]
-            assert compat.static_fingerprint(root, name) == imported, name
+            assert compat.static_fingerprint(root, name, absent_ok=True) == imported, name
             compared += 1
     assert compared >= 4
 
