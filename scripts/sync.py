@@ -12,6 +12,14 @@
     python scripts/sync.py --diff UPSTREAM V1 V2
                                       # which targets and relied-on names differ between two
                                       # recorded versions, per patch (evidence for source_verified)
+    python scripts/sync.py --releases UPSTREAM [--wheels DIR]
+                                      # both for every tested and source-verified release of
+                                      # UPSTREAM: wheels from DIR ($REPLAY_WHEELS, default
+                                      # ~/.cache/replay-plugin/wheels; `pip download`ed when
+                                      # absent), fingerprints of every patch recorded, then each
+                                      # source-verified release diffed against the tested one
+                                      # below it. After adding a patch (or relied-on names):
+                                      # one command, then read what the diff lists.
 
 Runs from the source tree (it puts the checkout first on sys.path).
 """
@@ -22,6 +30,7 @@ import difflib
 import glob
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import zipfile
@@ -262,6 +271,66 @@ def _norm(dist: str) -> str:
     return re.sub(r"[-_.]+", "-", dist).lower()
 
 
+def _release_wheel(wheel_dir: str, up: compat.Upstream, version: str) -> str:
+    """The wheel of ``up`` at ``version`` in ``wheel_dir``, downloaded (no dependencies) when absent:
+    a ``-cpu`` distribution first (what CI runs, and smaller; the repacks carry the same sources)."""
+    dists = sorted(up.distributions, key=lambda d: (not d.endswith("-cpu"), d))
+
+    def found() -> str | None:
+        for dist in dists:
+            for wheel in sorted(glob.glob(os.path.join(wheel_dir, f"{re.sub(r'[-_.]+', '_', dist)}-{version}-*.whl"))):
+                if _norm(_wheel_metadata(wheel)[0]) == _norm(dist):
+                    return wheel
+        return None
+
+    wheel = found()
+    for dist in dists:
+        if wheel is not None:
+            break
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        cmd += ["--python-version", "3.12", "-d", wheel_dir, f"{dist}=={version}"]
+        print(f"downloading {dist}=={version} into {wheel_dir}")
+        if subprocess.run(cmd).returncode == 0:
+            wheel = found()
+    if wheel is None:
+        raise SystemExit(f"no wheel of {' or '.join(dists)} {version} in {wheel_dir}, and pip download found none")
+    return wheel
+
+
+def _tested_base(up: compat.Upstream, version: str) -> str:
+    """The tested release to compare a source-verified one with: of its own minor line (0.17.0 ->
+    0.17.1), else the newest tested below it (0.33.0 -> 0.32.0), else the oldest tested."""
+    v = compat.parse_version(version)
+    tested = sorted(up.tested, key=compat.parse_version)
+    same = [t for t in tested if compat.parse_version(t).release[:2] == v.release[:2]]
+    below = [t for t in tested if compat.parse_version(t) < v]
+    return (same or below or tested[:1])[-1]
+
+
+def record_release_fingerprints(upstream: str, wheel_dir: str) -> int:
+    """Fingerprints of every tested and source-verified release of ``upstream`` from their wheels,
+    then what differs between each source-verified release and the newest tested one below it."""
+    matrix = compat.load(MATRIX)
+    if upstream not in matrix.upstreams:
+        raise SystemExit(f"unknown upstream {upstream!r}; the matrix has {', '.join(matrix.upstreams)}")
+    up = matrix.upstreams[upstream]
+    os.makedirs(wheel_dir, exist_ok=True)
+    versions = sorted({*up.tested, *up.source_verified}, key=compat.parse_version)
+    record_wheel_fingerprints([_release_wheel(wheel_dir, up, v) for v in versions])
+    status = 0
+    for version in sorted(up.source_verified, key=compat.parse_version):
+        base = _tested_base(up, version)
+        print(f"\n{upstream} {version} (source-verified) against {base} (tested):")
+        status |= diff_versions(upstream, base, version)
+    if up.source_verified:
+        print(
+            "\nRead each difference listed above in both wheels. A patch 'not recorded' for a source-verified "
+            "release has a range that excludes it: extend its `versions` when nothing it reads or writes "
+            "changed, then run this again. Keep the release's evidence in compat_matrix.yaml current."
+        )
+    return status
+
+
 def _replace_fingerprints(text: str, name: str, prints: dict, targets: tuple) -> str:
     lines = text.splitlines(keepends=True)
     start = next(i for i, ln in enumerate(lines) if ln.rstrip() == f"  {name}:")
@@ -298,6 +367,14 @@ def main(argv: list[str]) -> int:
         else:
             record_fingerprints()
         return 0
+    if argv[:1] == ["--releases"]:
+        rest = argv[1:]
+        wheel_dir = os.environ.get("REPLAY_WHEELS") or os.path.expanduser("~/.cache/replay-plugin/wheels")
+        if len(rest) == 3 and rest[1] == "--wheels":
+            wheel_dir = rest[2]
+        elif len(rest) != 1:
+            raise SystemExit("usage: sync.py --releases UPSTREAM [--wheels DIR]")
+        return record_release_fingerprints(rest[0], wheel_dir)
     if argv[:1] == ["--diff"]:
         if len(argv) != 4:
             raise SystemExit("usage: sync.py --diff UPSTREAM V1 V2")
