@@ -244,7 +244,8 @@ def _write_fingerprints(matrix: compat.Matrix, recorded: dict[str, dict[str, dic
 def diff_versions(upstream: str, old: str, new: str) -> int:
     """Print, per patch of ``upstream``, the targets and relied-on names whose recorded
     fingerprints differ between versions ``old`` and ``new``; 1 when one is not recorded."""
-    matrix = compat.load(MATRIX)
+    with open(MATRIX) as fh:
+        matrix = compat.parse(yaml.safe_load(fh), path=MATRIX)  # as written now (compat.load caches)
     missing = 0
     for name, patch in matrix.patches.items():
         if patch.upstream != upstream:
