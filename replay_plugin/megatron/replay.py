@@ -105,7 +105,7 @@ def _collect_routers(model: Any) -> tuple[list[_Router], Any]:
             continue
         if getattr(module, "is_mtp_layer", False) or "mtp" in name.split("."):
             # MTP routers: routes carry no MTP rows; numbered num_layers + depth in 0.16.x and
-            # depth (colliding with decoder layers, NeMo-RL #3903) from 0.19
+            # depth (colliding with decoder layers, NeMo-RL #3903) from 0.17.0
             continue
         replay = module.router_replay
         if replay is None:

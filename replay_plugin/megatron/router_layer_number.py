@@ -11,8 +11,9 @@ PR #5220); remove when that is the oldest supported megatron-core.
 Multi-token-prediction (MTP) routers, measured: in 0.16.1 the MTP block builds its
 ``TransformerLayer`` with ``layer_number = depth + num_layers - offset`` and the layer adds the
 pipeline offset back, so MTP depth ``d`` routers are numbered ``num_layers + d`` (beyond the
-decoder's numbers; the router has no ``is_mtp_layer``). From 0.19 (``is_mtp_layer=True``, no
-offset added) they are numbered ``d`` from 1 and collide with decoder layers 1, 2, ...
+decoder's numbers; the router has no ``is_mtp_layer``). From 0.17.0 (``is_mtp_layer=True``, no
+offset added; run on 0.17.1, 0.18.2 and 0.19.2) they are numbered ``d`` from 1 and collide with
+decoder layers 1, 2, ...
 (NeMo-RL #3903). The replay driver skips MTP routers on every version (routes carry no MTP rows).
 """
 

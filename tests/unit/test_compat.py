@@ -74,6 +74,30 @@ def test_shipped_matrix_validates():
             lambda r: r["patches"]["megatron.router_replay_scope"].update(fingerprints={"0.16.1": {"a:b": "x"}}),
             "must hold exactly the targets",
         ),
+        (
+            lambda r: r["patches"]["megatron.router_replay_scope"].update(relies_on="megatron.core:x"),
+            "'relies_on' must be a list of 'module:qualname'",
+        ),
+        (
+            lambda r: r["patches"]["megatron.router_replay_scope"].update(relies_on=["vllm.outputs:RequestOutput"]),
+            "relies_on entry vllm.outputs:RequestOutput is not inside 'megatron'",
+        ),
+        (
+            lambda r: r["patches"]["megatron.router_replay_scope"]["relies_on"].append("megatron.core.x:Y"),
+            "fingerprints\\[0.16.0\\] must hold exactly the targets and relied-on names",
+        ),
+        (
+            lambda r: r["upstreams"]["vllm"].update(source_verified={"0.40.0": "read"}),
+            "source-verified version 0.40.0 is outside supported",
+        ),
+        (
+            lambda r: r["upstreams"]["vllm"].update(source_verified={"0.30.0": "read"}),
+            "version 0.30.0 is both tested and source-verified",
+        ),
+        (
+            lambda r: r["upstreams"]["vllm"].update(source_verified={"0.31.0": ""}),
+            "'source_verified' must map versions to the evidence",
+        ),
     ],
 )
 def test_schema_errors_name_the_entry(mutate, message):
@@ -109,3 +133,198 @@ def test_check_fingerprints_states():
     assert compat.check_fingerprints((target,), {}, "1.1").state == "unrecorded"
     missing = compat.check_fingerprints((f"{__name__}:nope",), {}, "1.0")
     assert missing.state == "missing" and not missing.ok
+
+
+def test_check_fingerprints_names_changed_relied_on_code():
+    target, relied = f"{__name__}:_target_function", f"{__name__}:_relied_function"
+    t, r = compat.source_fingerprint(_target_function), compat.source_fingerprint(_relied_function)
+    prints = {"1.0": {target: t, relied: r}, "2.0": {target: t, relied: "sha256:0"}}
+    both = (target,), prints
+
+    def check(version):
+        return compat.check_fingerprints(*both, version, relies_on=(relied,))
+
+    assert check("1.0").state == "match"
+    drift = check("2.0")  # the wrapped function is the same, what it relies on is not
+    assert drift.state == "drift" and drift.changed_targets == [] and drift.changed_relied_on == [relied]
+    assert drift.detail == f"relied-on {relied} differs from the fingerprint recorded for 2.0"
+    assert check("1.5").state == "known"  # unrecorded, but equal to 1.0
+    # the runtime check (targets only) does not see relied-on drift
+    assert compat.check_fingerprints(*both, "2.0").state == "match"
+    prints = {"1.0": {target: "sha256:1", relied: "sha256:2"}, "3.0": {target: "sha256:3", relied: r}}
+    unrecorded = compat.check_fingerprints((target,), prints, "2.1", relies_on=(relied,))
+    assert unrecorded.state == "drift" and unrecorded.changed_relied_on == [relied]
+    assert unrecorded.detail.endswith(f"changed since 1.0: targets {target}; relied-on {relied}")
+    gone = compat.check_fingerprints((target,), prints, "1.0", relies_on=(f"{__name__}:gone",))
+    assert gone.state == "missing" and f"cannot resolve relied-on {__name__}:gone" in gone.detail
+
+
+def test_relied_on_code_a_version_does_not_define():
+    """Code that moved between releases: recorded as ABSENT where a version does not define it;
+    a version that then lacks code recorded as present is `missing`, and a target is never ABSENT."""
+    target, absent, relied = f"{__name__}:_target_function", f"{__name__}:_Moved", f"{__name__}:_relied_function"
+    t, r = compat.source_fingerprint(_target_function), compat.source_fingerprint(_relied_function)
+    recorded = compat.check_fingerprints((target,), {}, "1.0", relies_on=(absent, relied))
+    assert recorded.state == "unrecorded" and recorded.fingerprints[absent] == compat.ABSENT
+    prints = {"1.0": {target: t, absent: compat.ABSENT, relied: r}, "2.0": {target: t, absent: "sha256:1", relied: r}}
+    assert compat.check_fingerprints((target,), prints, "1.0", relies_on=(absent, relied)).state == "match"
+    assert compat.check_fingerprints((target,), prints, "1.5", relies_on=(absent, relied)).state == "known"
+    moved = compat.check_fingerprints((target,), prints, "2.0", relies_on=(absent, relied))
+    assert moved.state == "missing" and moved.changed_relied_on == [absent] and not moved.ok
+    assert moved.detail == f"cannot resolve relied-on {absent} (defined in 2.0)"
+    assert compat.check_fingerprints((target,), prints, "2.1", relies_on=(absent, relied)).state == "known"  # = 1.0
+    # the other way round: recorded absent, present now
+    prints = {"1.0": {target: t, absent: compat.ABSENT, relied: compat.ABSENT}}
+    drift = compat.check_fingerprints((target,), prints, "1.0", relies_on=(absent, relied))
+    assert drift.state == "drift" and drift.changed_relied_on == [relied]
+    raw = _raw()
+    entry = raw["patches"]["megatron.router_replay_scope"]
+    version = next(iter(entry["fingerprints"]))
+    entry["fingerprints"][version][entry["targets"][0]] = compat.ABSENT
+    with pytest.raises(compat.CompatMatrixError, match="a target cannot be 'absent'"):
+        compat.parse(raw)
+
+
+def _relied_function():
+    return 2
+
+
+def test_version_tier():
+    up = compat.parse(_raw()).upstreams["megatron-core"]
+    assert compat.version_tier(up, "0.16.1") == "tested"
+    assert compat.version_tier(up, "0.19.2+local") == "tested"
+    assert compat.version_tier(up, "0.16.0") == "source-verified"
+    assert compat.version_tier(up, "0.19.1") == "untested"
+    assert compat.version_tier(up, "0.20.0") == "unsupported"
+    assert compat.version_tier(up, None) is None
+
+
+def test_tested_and_source_verified_versions_are_fingerprinted():
+    """A version CI tests, or one declared verified from its sources, has fingerprints recorded
+    for every patch whose range holds it (`scripts/sync.py --fingerprints WHEEL ...` records
+    them from the upstream's wheel)."""
+    m = compat.parse(_raw())
+    missing = []
+    for p in m.patches.values():
+        up = m.upstreams[p.upstream]
+        for v in (*up.tested, *up.source_verified):
+            if compat.version_in(v, p.versions) and compat.recorded_for(p.fingerprints, v) is None:
+                missing.append(f"{p.name}: {p.upstream} {v}")
+    assert not missing, "no fingerprints recorded for " + ", ".join(missing)
+
+
+STATIC_PACKAGE = {
+    "pkg/__init__.py": "from .impl import exported as reexported\nfrom . import impl\n",
+    "pkg/impl.py": '''import functools
+
+
+def deco(fn):
+    @functools.wraps(fn)
+    def inner(*a, **k):
+        return fn(*a, **k)
+
+    return inner
+
+
+@deco
+@deco
+def exported(x):
+    """Doc."""
+    y = (
+        x
+        + 1
+    )
+    return y
+    # trailing comment indented like the body: inspect keeps it
+
+
+# a comment at module level: not part of it
+class Base:
+    def inherited(self):
+        return 1  # same line
+
+
+class Child(Base):
+    class Inner:
+        async def method(self):
+            return 2
+
+    def own(self):
+        if True:
+            pass
+
+        # a comment after a blank line
+    x = 1
+
+
+alias = exported
+
+
+if False:
+    def conditional():
+        return 1
+else:
+    def conditional():
+        return 2
+''',
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "pkg.impl:exported",
+        "pkg:reexported",
+        "pkg.impl:Base",
+        "pkg.impl:Child",
+        "pkg.impl:Child.own",
+        "pkg.impl:Child.inherited",
+        "pkg.impl:Child.Inner.method",
+        "pkg.impl:alias",
+        "pkg.impl:Gone",  # not defined: both ways say ABSENT
+        "pkg.impl:Child.gone",  # in neither the class nor its base
+        "pkg:Gone",
+    ],
+)
+def test_static_fingerprint_equals_the_imported_one(tmp_path, monkeypatch, name):
+    import pkgutil
+    import sys
+
+    for rel, text in STATIC_PACKAGE.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for mod in ("pkg", "pkg.impl"):
+        sys.modules.pop(mod, None)
+    try:
+        imported = compat.resolve_fingerprint(name)
+        if imported != compat.ABSENT:
+            assert imported == compat.source_fingerprint(pkgutil.resolve_name(name))
+    finally:
+        for mod in ("pkg", "pkg.impl"):
+            sys.modules.pop(mod, None)
+    assert (imported == compat.ABSENT) == ("gone" in name.lower())
+    assert compat.static_fingerprint(str(tmp_path), name, absent_ok=True) == imported
+
+
+def test_static_fingerprint_refuses_what_it_cannot_locate(tmp_path):
+    for rel, text in STATIC_PACKAGE.items():
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    with pytest.raises(compat.StaticSourceError, match="pkg.impl:conditional: 2 definitions found"):
+        compat.static_fingerprint(str(tmp_path), "pkg.impl:conditional")
+    with pytest.raises(compat.StaticNameAbsent, match="not found in the class or its bases"):
+        compat.static_fingerprint(str(tmp_path), "pkg.impl:Child.nope")
+    with pytest.raises(compat.StaticNameAbsent, match="pkg.impl:Nope: not defined"):
+        compat.static_fingerprint(str(tmp_path), "pkg.impl:Nope")
+    # a base class read from outside the root may define it: not known to be absent
+    (tmp_path / "pkg" / "outside.py").write_text("from elsewhere import Base\n\n\nclass C(Base):\n    pass\n")
+    with pytest.raises(compat.StaticSourceError, match="not found in the class or its bases") as info:
+        compat.static_fingerprint(str(tmp_path), "pkg.outside:C.method", absent_ok=True)
+    assert not isinstance(info.value, compat.StaticNameAbsent)
+    # a star import may define anything
+    (tmp_path / "pkg" / "star.py").write_text("from elsewhere import *\n")
+    with pytest.raises(compat.StaticSourceError, match="0 definitions found"):
+        compat.static_fingerprint(str(tmp_path), "pkg.star:anything", absent_ok=True)
+    with pytest.raises(compat.StaticSourceError, match="no source file for module pkg.nope"):
+        compat.static_fingerprint(str(tmp_path), "pkg.nope:f")

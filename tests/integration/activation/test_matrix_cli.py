@@ -42,15 +42,111 @@ def write(tmp_path, raw):
     return str(path)
 
 
-def test_matrix_check_passes_on_the_tested_environment():
-    proc = cli("matrix", "--check", "--json")
+def _env_upstreams():
+    return [u for u in os.environ.get("REPLAY_TEST_UPSTREAMS", "").split(",") if u]
+
+
+@pytest.fixture(scope="module")
+def report():
+    """`matrix --check --require-tested --json` in this environment (one run for the tests below)."""
+    proc = cli("matrix", "--check", "--require-tested", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads(proc.stdout)  # --json keeps stdout machine-readable even though vLLM logs on stdout
+    return json.loads(proc.stdout)  # --json keeps stdout machine-readable even though vLLM logs on stdout
+
+
+def test_matrix_check_passes_on_the_tested_environment(report):
     assert report["ok"] and report["problems"] == []
-    env_upstreams = os.environ.get("REPLAY_TEST_UPSTREAMS", "").split(",")
-    checked = [p for p in report["patches"] if p["upstream"] in env_upstreams and p["state"] != "not-installed"]
-    # every patch of an upstream this environment tests has fingerprints that match
-    assert checked and all(p["state"] == "match" for p in checked), checked
+    checked = [p for p in report["patches"] if p["upstream"] in _env_upstreams() and p["state"] != "not-installed"]
+    # every patch of an upstream this environment tests has fingerprints (targets and relied-on
+    # code) that match, on a version CI tests
+    assert checked and all(p["state"] == "match" and p["tier"] == "tested" for p in checked), checked
+    tiers = {u["upstream"]: u["tier"] for u in report["upstreams"]}
+    assert all(tiers[u] == "tested" for u in _env_upstreams()), tiers
+
+
+def test_static_fingerprints_equal_the_imported_ones(report):
+    """scripts/sync.py records untested releases from their wheels' sources without importing
+    them (compat.static_fingerprint); here both ways run on the installed upstreams and agree
+    for every target and relied-on name (relied-on code this version does not define included)."""
+    import site
+
+    from replay_plugin import compat
+
+    roots = site.getsitepackages()
+    compared = 0
+    for row in report["patches"]:
+        if row["upstream"] not in _env_upstreams() or row["state"] == "not-installed":
+            continue
+        for name, imported in row["fingerprints"].items():
+            (root,) = [r for r in roots if os.path.exists(os.path.join(r, name.partition(".")[0]))]
+            assert compat.static_fingerprint(root, name, absent_ok=True) == imported, name
+            compared += 1
+    assert compared >= 4
+
+
+def _relied_on_patch(raw):
+    """A patch of this environment's first upstream that lists relied-on code."""
+    upstreams = _env_upstreams()
+    return next(
+        (name, entry)
+        for name, entry in raw["patches"].items()
+        if entry["upstream"] == upstreams[0] and entry.get("relies_on")
+    )
+
+
+def _has(dist):
+    from importlib.metadata import PackageNotFoundError
+
+    try:
+        installed(dist)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
+def _imports(upstream):
+    """`--import` arguments for the trigger module of every patch of ``upstream``."""
+    from replay_plugin import registry
+
+    reg = registry.get()
+    reg.load_packs()
+    triggers = sorted({spec.trigger for spec in reg.specs.values() if spec.upstream == upstream})
+    return [arg for module in triggers for arg in ("--import", module)]
+
+
+def test_tier_and_relied_on_drift_are_reported(tmp_path):
+    """The installed version declared source-verified instead of tested (as vLLM 0.33 is) and one
+    relied-on fingerprint changed: `matrix --check` names the relied-on drift and prints the
+    evidence, `--require-tested` adds the tier as a problem, and at run time the patch still
+    applies (only targets are compared there), reported as source-verified."""
+    raw = shipped_matrix()
+    name, entry = _relied_on_patch(raw)
+    key = entry["upstream"]
+    up = raw["upstreams"][key]
+    v = next(installed(d) for d in up["distributions"] if _has(d))
+    up["tested"] = [t for t in up["tested"] if t != v]
+    assert up["tested"], "the matrix tests more than one version of every upstream with relied-on code"
+    up["source_verified"] = {v: "sources read from the wheel, compared with the tested release"}
+    relied = entry["relies_on"][-1]
+    entry["fingerprints"][v][relied] = "sha256:0000000000000000"
+    env = {"REPLAY_PLUGIN_MATRIX": write(tmp_path, raw)}
+
+    proc = cli("matrix", "--check", "--require-tested", "--upstream", key, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"note: {key} {v} is source-verified, never run in CI: sources read from the wheel" in proc.stdout
+    fails = [ln for ln in proc.stdout.splitlines() if ln.startswith("FAIL ")]
+    assert fails == [
+        f"FAIL {key} {v} is source-verified, not tested in CI (--require-tested)",
+        f"FAIL {name}: relied-on {relied} differs from the fingerprint recorded for {v}",
+    ], proc.stdout
+
+    proc = cli("status", "--json", *_imports(key), env=env)
+    rows = [r for r in json.loads(proc.stdout)["patches"] if r["upstream"] == key]
+    assert rows and all(r["version"] == v and r["tier"] == "source-verified" for r in rows), rows
+    by_name = {r["name"]: r for r in rows}
+    assert by_name[name]["state"] in ("applied", "not-needed"), by_name[name]
+    applied = [r for r in rows if r["state"] == "applied"]
+    assert applied and all("source-verified: sources read, never run in CI" in r["reason"] for r in applied)
 
 
 def test_matrix_check_fails_on_an_out_of_range_version(tmp_path):

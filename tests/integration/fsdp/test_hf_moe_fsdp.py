@@ -25,6 +25,8 @@ gradients.
 
 from __future__ import annotations
 
+import os
+
 import fsdp_harness
 import pytest
 from conftest import need
@@ -115,8 +117,23 @@ def _register_attention(state: dict) -> None:
     AttentionInterface.register(ATTENTION, attention)
 
 
-def _ulysses(upstream: str):
-    """``(set_group, sp_slice(x, sp, pad_value))``: the upstream's own pad-and-slice."""
+def _ulysses(upstream: str | None):
+    """``(set_group, sp_slice(x, sp, pad_value))``: the upstream's own pad-and-slice (None: the
+    test's own, what both compute: pad dimension 1 to a multiple of ``sp``, keep this rank's part)."""
+    if upstream is None:
+        import torch
+        import torch.distributed as dist
+
+        groups: list = []
+
+        def own_slice(x, sp, pad_value=0):
+            pad = (-x.shape[1]) % sp
+            x = torch.cat([x, x.new_full((x.shape[0], pad, *x.shape[2:]), pad_value)], dim=1)
+            part = x.shape[1] // sp
+            rank = dist.get_rank(groups[-1])
+            return x[:, rank * part : (rank + 1) * part]
+
+        return groups.append, own_slice
     if upstream == "verl":
         import verl.utils.ulysses as U
 
@@ -132,7 +149,7 @@ def _ulysses(upstream: str):
     return U.set_ulysses_sequence_parallel_group, sp_slice
 
 
-def fsdp_route_replay(rank: int, world: int, upstream: str) -> dict:
+def fsdp_route_replay(rank: int, world: int, upstream: str | None) -> dict:
     import hf_moe_models as H
     import torch
     import torch.distributed as dist
@@ -272,3 +289,21 @@ def test_fsdp2_route_replay_verl_ulysses():
 def test_fsdp2_route_replay_skyrl_ulysses():
     need("skyrl", "transformers")
     _check(fsdp_harness.run_ranks(fsdp_route_replay, 2, upstream="skyrl"))
+
+
+def test_fsdp2_route_replay_ulysses_without_a_framework():
+    """The same where neither verl nor skyrl is installed (the transformers 5.24 environment: skyrl
+    0.4.0 pins transformers<=5.16.1, verl 0.9.1 <5.11), with the test's own pad-and-slice; where
+    one of them is, its variant above runs this path."""
+    need("transformers")
+    import importlib.util
+
+    declared = os.environ.get("REPLAY_TEST_UPSTREAMS")
+    present = (
+        [u for u in ("verl", "skyrl") if u in declared.split(",")]
+        if declared is not None
+        else [u for u in ("verl", "skyrl") if importlib.util.find_spec(u) is not None]
+    )
+    if present:
+        pytest.skip(f"{', '.join(present)} installed: its variant covers this path")
+    _check(fsdp_harness.run_ranks(fsdp_route_replay, 2, upstream=None))

@@ -694,7 +694,8 @@ def test_mtp_routers_numbered_per_version_and_not_replayed(worker):
     mtp = {n: v for n, v in out["routers"].items() if n.startswith("mtp.")}
     decoder = sorted(v for n, v in out["routers"].items() if n.startswith("decoder."))
     assert decoder == [1, 2] and len(mtp) == 1
-    # 0.16.x: num_layers + depth; 0.19: the depth itself, colliding with decoder layer 1
-    native = Version(importlib.metadata.version("megatron-core")) >= Version("0.19.0")
+    # 0.16.x: num_layers + depth; from 0.17.0 (is_mtp_layer, no layer offset): the depth itself,
+    # colliding with decoder layer 1
+    native = Version(importlib.metadata.version("megatron-core")) >= Version("0.17.0")
     assert list(mtp.values()) == ([1] if native else [3])
     assert out["replayed"] == [1, 2]
