@@ -97,3 +97,44 @@ def test_actors_activate_toggle_and_write_status_files(tmp_path):
     for probe in (default, off):
         states = {p["name"]: p["state"] for p in docs[probe["pid"]]["patches"]}
         assert states["megatron.router_replay_scope"] == probe["states"]["megatron.router_replay_scope"]
+
+
+README_DRIVER = r"""
+import json, sys
+import ray
+
+sys.path.insert(0, sys.argv[2])
+import readme_blocks
+
+
+@ray.remote(num_cpus=0)
+class Actor:
+    def run(self):
+        import os
+        import megatron.core.pipeline_parallel.schedules  # noqa: F401 - fires the plugin's finder
+        import replay_plugin
+        env = {k: v for k, v in os.environ.items() if k.startswith("REPLAY_PLUGIN_")}
+        return {"pid": os.getpid(), "env": env, "states": {r["name"]: r["state"] for r in replay_plugin.status()}}
+
+
+ns = readme_blocks.run("ray-runtime-env", {"status_dir": sys.argv[1], "Actor": Actor})
+print("REPORT" + json.dumps(ray.get(ns["actor"].run.remote(), timeout=600)))
+ray.shutdown()
+"""
+
+
+def test_readme_ray_block(tmp_path):
+    """The README's Ray block as written (a local cluster of its own: no RAY_ADDRESS): the job's
+    and the actor's env_vars both reach the actor, its toggle switches the patch off there, and it
+    writes its status file into the job's directory."""
+    need("megatron-core")
+    pytest.importorskip("ray")
+    status_dir = tmp_path / "status"
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = run_python(README_DRIVER, env={"RAY_ADDRESS": ""}, args=(str(status_dir), tests), timeout=800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])
+    assert out["env"] == {"REPLAY_PLUGIN_STATUS_DIR": str(status_dir), TOGGLE: "0"}, out["env"]
+    assert out["states"]["megatron.router_replay_scope"] == "disabled"
+    assert out["states"]["megatron.replay_padding_fallback"] == "applied"
+    assert set(_status_files(str(status_dir))) == {out["pid"]}
