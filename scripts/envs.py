@@ -31,6 +31,7 @@ costs seconds and megabytes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import hashlib
 import json
@@ -40,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Sequence
@@ -183,9 +185,10 @@ def _link(link: str, target: str) -> None:
             return
         if os.path.isdir(link) and not os.path.islink(link):
             shutil.rmtree(link)
-        else:
-            os.unlink(link)
-    os.symlink(target, link)
+    # A new link renamed over the old one: atomic, so environments built at once cannot race.
+    tmp = f"{link}.{os.getpid()}.{threading.get_ident()}"
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
 
 
 def ensure(name: str) -> str:
@@ -384,13 +387,30 @@ def install_wheel(venv: str, wheel: str) -> None:
     pip(venv, "install", "-q", "--no-deps", "--force-reinstall", wheel)
 
 
-def upstream_failures(name: str, report_path: str, declared: list[str]) -> list[str]:
-    """Why the upstream report of a pytest run fails its environment (empty: it does not)."""
-    try:
-        with open(report_path) as fh:
-            counts = json.load(fh)["upstreams"]
-    except (OSError, ValueError, KeyError) as exc:
-        return [f"no upstream report from pytest ({report_path}: {exc})"]
+def read_upstream_counts(report_paths: list[str]) -> tuple[dict, list[str]]:
+    """Per upstream, the summed test counts of the pytest runs' reports (an environment's parts
+    each write one), and why a report could not be read."""
+    counts: dict[str, dict[str, int]] = {}
+    problems = []
+    for path in report_paths:
+        try:
+            with open(path) as fh:
+                part = json.load(fh)["upstreams"]
+        except (OSError, ValueError, KeyError) as exc:
+            problems.append(f"no upstream report from pytest ({path}: {exc})")
+            continue
+        for up, c in part.items():
+            total = counts.setdefault(up, {})
+            for outcome, n in c.items():
+                total[outcome] = total.get(outcome, 0) + n
+    return counts, problems
+
+
+def upstream_failures(name: str, report_paths: list[str], declared: list[str]) -> list[str]:
+    """Why the upstream reports of an environment's pytest runs fail it (empty: they do not)."""
+    counts, problems = read_upstream_counts(report_paths)
+    if problems:
+        return problems
     log(
         f"[{name}] tests per upstream: "
         + ", ".join(
@@ -400,7 +420,6 @@ def upstream_failures(name: str, report_path: str, declared: list[str]) -> list[
         if counts
         else f"[{name}] no test declared an upstream"
     )
-    problems = []
     for up in declared:
         c = counts.get(up)
         if c is None:
@@ -431,7 +450,140 @@ def _test_path(arg: str) -> str | None:
     return None
 
 
+def test_jobs() -> int:
+    """How many environments are tested at once: ``$REPLAY_TEST_JOBS``, else 2 (or 1 on a
+    one-core machine). Two halves the wall clock of the suites' many single-threaded stretches
+    (interpreter start-up, upstream imports, subprocess waits) on the 2-core CI machine."""
+    value = os.environ.get("REPLAY_TEST_JOBS")
+    if value:
+        try:
+            jobs = int(value)
+        except ValueError:
+            raise SystemExit(f"REPLAY_TEST_JOBS={value!r}: expected a positive integer") from None
+        if jobs < 1:
+            raise SystemExit(f"REPLAY_TEST_JOBS={value!r}: expected a positive integer")
+        return jobs
+    return min(2, os.cpu_count() or 1)
+
+
+_ensure_locks: dict[str, threading.Lock] = {}
+_ensure_locks_guard = threading.Lock()
+
+
+def ensure_locked(name: str) -> str:
+    """``ensure(name)`` safe to call from several threads: an overlay and another overlay of the
+    same base build that base once (locks are taken overlay first, then base: no cycle)."""
+    with _ensure_locks_guard:
+        lock = _ensure_locks.setdefault(name, threading.Lock())
+    with lock:
+        overlay = overlay_of(name)
+        if overlay:
+            ensure_locked(overlay[0])
+        return ensure(name)
+
+
+def test_parts(name: str, cfg: dict) -> list[list[str]]:
+    """The pytest runs of an environment, as test paths relative to the checkout: each of its
+    ``parts`` (lists of paths, under its ``tests``) runs alone, and its ``tests`` run with the
+    parts' paths ignored. Parts let the 2-core CI machine test one large environment in two
+    processes at once; the upstream check sums their reports."""
+    entry = cfg[name]
+    parts = entry.get("parts", [])
+    if not isinstance(parts, list) or not all(isinstance(p, list) and p for p in parts):
+        raise SystemExit(f"env {name}: parts must be a list of non-empty lists of test paths, got {parts!r}")
+    carved = [path for part in parts for path in part]
+    for path in carved:
+        if not any(path == t or path.startswith(t.rstrip("/") + "/") for t in entry["tests"]):
+            raise SystemExit(f"env {name}: part path {path!r} is not under its tests {entry['tests']}")
+    rest = [*entry["tests"], *(f"--ignore={path}" for path in carved)]
+    return [rest, *parts]
+
+
+_installed: set[str] = set()
+
+
+def _venv_with_wheel(name: str, wheel: str) -> str:
+    """The venv of ``name`` with the plugin wheel installed (once per run, however many parts)."""
+    with _ensure_locks_guard:
+        lock = _ensure_locks.setdefault(f"install:{name}", threading.Lock())
+    with lock:
+        venv = ensure_locked(name)
+        if name not in _installed:
+            install_wheel(venv, wheel)
+            _installed.add(name)
+    return venv
+
+
+def _run_pytest(
+    name: str,
+    label: str,
+    venv: str,
+    wheel: str,
+    cfg: dict,
+    tests: list[str],
+    pytest_args: list[str],
+    output: str | None,
+) -> tuple[list[str], str]:
+    """One pytest run in ``venv``: its failures (other than the upstream check) and the path of
+    its upstream report."""
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("REPLAY_PLUGIN_"):
+            del env[k]
+    report_dir = tempfile.mkdtemp(prefix=f"replay-test-{label}-")
+    report = os.path.join(report_dir, "upstreams.json")  # tests/conftest.py writes it
+    env.update(
+        REPLAY_TEST_ENV=name,
+        REPLAY_TEST_UPSTREAMS=",".join(cfg[name]["upstreams"]),
+        REPLAY_TEST_WHEEL=wheel,
+        REPLAY_TEST_REPORT=report,
+        PATH=os.path.join(venv, "bin") + os.pathsep + env.get("PATH", ""),
+    )
+    env.pop("PYTHONPATH", None)
+    # Test paths among the extra arguments replace the environment's own.
+    paths = [_test_path(a) for a in pytest_args]
+    args = [p or a for p, a in zip(paths, pytest_args)]
+    own = [] if any(paths) else [_rooted(t) for t in tests]
+    cmd = [
+        os.path.join(venv, "bin", "python"),
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        ROOT,
+        *own,
+        *args,
+    ]
+    log(f"[{label}] {' '.join(cmd[2:])}" + (f" > {output}" if output else ""))
+    # Run from a directory outside the checkout so that `import replay_plugin` resolves to
+    # the installed wheel, not to the source tree.
+    cwd = os.path.join(ROOT, "tests")
+    if output:
+        with open(output, "w") as fh:
+            rc = subprocess.run(cmd, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT).returncode
+    else:
+        rc = subprocess.run(cmd, env=env, cwd=cwd).returncode
+    problems = []
+    if rc == 5:
+        problems.append(f"{label}: pytest collected no tests (exit 5)")
+    elif rc != 0:
+        problems.append(f"{label}: pytest exit {rc}")
+    return problems, report
+
+
+def _rooted(test: str) -> str:
+    """A test path (or ``--ignore=path``) of envs.toml made absolute."""
+    if test.startswith("--ignore="):
+        return "--ignore=" + os.path.join(ROOT, test[len("--ignore=") :])
+    return os.path.join(ROOT, test)
+
+
 def run_tests(names: list[str], pytest_args: list[str]) -> int:
+    """Test ``names`` (default: every test environment): each environment's pytest runs (its
+    ``parts``, see ``test_parts``) go to a pool of ``test_jobs()`` workers in envs.toml order
+    (list the longest first). With more than one worker each run's output goes to a file,
+    printed whole when the run ends (interleaved lines would be unreadable)."""
     cfg = config()
     for name in names:
         if name not in cfg:
@@ -441,62 +593,58 @@ def run_tests(names: list[str], pytest_args: list[str]) -> int:
     names = names or test_envs(cfg)
     wheel = build_wheel()
     log(f"wheel {wheel}")
+    # Extra test paths replace an environment's own: then it is one run.
+    explicit = any(_test_path(a) for a in pytest_args)
+    runs = [(name, i, tests) for name in names for i, tests in enumerate([[]] if explicit else test_parts(name, cfg))]
+    jobs = min(test_jobs(), len(runs))
+    outputs = tempfile.mkdtemp(prefix="replay-test-output-")
+    printing = threading.Lock()
+
+    def one(run: tuple[str, int, list[str]]) -> tuple[list[str], str | None, float]:
+        name, index, tests = run
+        label = name if index == 0 else f"{name}/part{index}"
+        output = os.path.join(outputs, f"{label.replace('/', '-')}.log") if jobs > 1 else None
+        start = time.time()
+        report = None
+        try:
+            venv = _venv_with_wheel(name, wheel)
+            problems, report = _run_pytest(name, label, venv, wheel, cfg, tests, pytest_args, output)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a failed build fails this environment only
+            problems = [f"{label}: {type(exc).__name__}: {exc}"]
+        secs = time.time() - start
+        if output and os.path.exists(output):
+            with printing, open(output) as fh:
+                print(f"\n======== {label}: pytest output ========", flush=True)
+                shutil.copyfileobj(fh, sys.stdout)
+                sys.stdout.flush()
+        for p in problems:
+            log(f"[{label}] FAILED: {p}")
+        log(f"[{label}] pytest run {'passed' if not problems else 'FAILED'} in {secs:.0f} s")
+        return problems, report, secs
+
+    if jobs > 1:
+        log(f"{len(runs)} pytest runs in {len(names)} environments, {jobs} at a time (REPLAY_TEST_JOBS)")
+    start = time.time()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(one, runs))
+    shutil.rmtree(outputs, ignore_errors=True)
     summary = []
     for name in names:
-        venv = ensure(name)
-        install_wheel(venv, wheel)
-        declared = list(cfg[name]["upstreams"])
-        env = dict(os.environ)
-        for k in list(env):
-            if k.startswith("REPLAY_PLUGIN_"):
-                del env[k]
-        report_dir = tempfile.mkdtemp(prefix=f"replay-test-{name}-")
-        report = os.path.join(report_dir, "upstreams.json")  # tests/conftest.py writes it
-        env.update(
-            REPLAY_TEST_ENV=name,
-            REPLAY_TEST_UPSTREAMS=",".join(declared),
-            REPLAY_TEST_WHEEL=wheel,
-            REPLAY_TEST_REPORT=report,
-            PATH=os.path.join(venv, "bin") + os.pathsep + env.get("PATH", ""),
-        )
-        env.pop("PYTHONPATH", None)
-        # Test paths among the extra arguments replace the environment's own.
-        paths = [_test_path(a) for a in pytest_args]
-        args = [p or a for p, a in zip(paths, pytest_args)]
-        own = [] if any(paths) else [os.path.join(ROOT, t) for t in cfg[name]["tests"]]
-        cmd = [
-            os.path.join(venv, "bin", "python"),
-            "-m",
-            "pytest",
-            "-p",
-            "no:cacheprovider",
-            "--rootdir",
-            ROOT,
-            *own,
-            *args,
-        ]
-        log(f"[{name}] {' '.join(cmd[2:])}")
-        start = time.time()
-        # Run from a directory outside the checkout so that `import replay_plugin` resolves to
-        # the installed wheel, not to the source tree.
-        rc = subprocess.run(cmd, env=env, cwd=os.path.join(ROOT, "tests")).returncode
-        problems = []
-        if rc == 5:
-            problems.append("pytest collected no tests (exit 5)")
-        elif rc != 0:
-            problems.append(f"pytest exit {rc}")
-        uncovered = upstream_failures(name, report, declared)
-        shutil.rmtree(report_dir, ignore_errors=True)
+        mine = [r for (n, _, _), r in zip(runs, results) if n == name]
+        problems = [p for r in mine for p in r[0]]
+        reports = [r[1] for r in mine if r[1] is not None]
+        uncovered = upstream_failures(name, reports, list(cfg[name]["upstreams"])) if reports else []
+        for r in reports:
+            shutil.rmtree(os.path.dirname(r), ignore_errors=True)
         if uncovered and runs_subset(pytest_args):
             for p in uncovered:
                 log(f"[{name}] not enforced (the pytest arguments select a subset): {p}")
         else:
             problems += uncovered
-        for p in problems:
-            log(f"[{name}] FAILED: {p}")
-        summary.append((name, problems, time.time() - start))
+        summary.append((name, problems, sum(r[2] for r in mine)))
     for name, problems, secs in summary:
         log(f"{name}: {'passed' if not problems else 'FAILED (' + '; '.join(problems) + ')'} in {secs:.0f} s")
+    log(f"all environments: {time.time() - start:.0f} s wall clock")
     return 0 if all(not problems for _, problems, _ in summary) else 1
 
 

@@ -240,24 +240,38 @@ def test_doctor_ray_cluster_variables():
 def test_doctor_vllm_engine_arguments(tmp_path):
     """The settings users get wrong most, read from the job's own `vllm serve` arguments by vLLM's
     parser: opt-in variable vs the engine's logprobs mode, max_logprobs vs top_k + slack, the Ray
-    executor's variable allowlist."""
+    executor's variable allowlist. The command once; its variants through the report it prints
+    (``doctor.report`` with the environment it would see: each command pays vLLM's ~10 s import)."""
     need("vllm")
+    from replay_plugin import doctor
+
     args = ["doctor", "--json", "--vllm-args", "/models/m --max-logprobs 20", "--top-k", "20"]
-    report = json.loads(cli(*args).stdout)
-    problems = " | ".join(f["problem"] + " -> " + f["fix"] for f in report["findings"])
+    proc = cli(*args)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1
+
+    def problems(report):
+        return " | ".join(f["problem"] + " -> " + f["fix"] for f in report["findings"])
+
+    def doctor_report(vllm_args="/models/m --max-logprobs 20", top_k=20, **env):
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+        return doctor.report(vllm_args=vllm_args, top_k=top_k, environ={**environ, **env})
+
     assert not report["ok"]
-    assert "logprobs_mode=raw_logprobs" in problems and "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in" in problems
-    assert "width 36" in problems and "--max-logprobs >= 36" in problems
+    text = problems(report)
+    assert "logprobs_mode=raw_logprobs" in text and "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in" in text
+    assert "width 36" in text and "--max-logprobs >= 36" in text
+    assert problems(doctor_report()) == text  # in-process, the same report as the command's
     fitted = {"REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS": "opt-in"}
-    assert cli(*args, env=fitted).returncode == 0  # the plugin fits the engine: max_logprobs 128
+    assert doctor_report(**fitted)["ok"]  # the plugin fits the engine: max_logprobs 128
     narrow = dict(fitted, REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH="30")
-    assert "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH to >= 36" in cli(*args, env=narrow).stdout
-    ray = cli("doctor", "--vllm-args", "/models/m --distributed-executor-backend ray", env=fitted)
-    assert ray.returncode == 1 and "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=REPLAY_PLUGIN_" in ray.stdout
+    assert "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH to >= 36" in problems(doctor_report(**narrow))
+    ray = doctor_report("/models/m --distributed-executor-backend ray", None, **fitted)
+    assert not ray["ok"] and "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY=REPLAY_PLUGIN_" in problems(ray)
     forwarded = dict(fitted, VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY="REPLAY_PLUGIN_")
-    assert cli("doctor", "--vllm-args", "/models/m --distributed-executor-backend ray", env=forwarded).returncode == 0
-    bad = cli("doctor", env={"REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS": "sometimes"})
-    assert bad.returncode == 1 and "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS" in bad.stdout
+    assert doctor_report("/models/m --distributed-executor-backend ray", None, **forwarded)["ok"]
+    bad = doctor_report(None, None, REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS="sometimes")
+    assert not bad["ok"] and "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS" in problems(bad)
 
 
 def test_doctor_megatron_config(tmp_path):
