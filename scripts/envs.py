@@ -530,7 +530,7 @@ def _run_pytest(
     for k in list(env):
         if k.startswith("REPLAY_PLUGIN_"):
             del env[k]
-    report_dir = tempfile.mkdtemp(prefix=f"replay-test-{label}-")
+    report_dir = tempfile.mkdtemp(prefix=f"replay-test-{label.replace('/', '-')}-")
     report = os.path.join(report_dir, "upstreams.json")  # tests/conftest.py writes it
     env.update(
         REPLAY_TEST_ENV=name,
@@ -632,6 +632,10 @@ def run_tests(names: list[str], pytest_args: list[str]) -> int:
     for name in names:
         mine = [r for (n, _, _), r in zip(runs, results) if n == name]
         problems = [p for r in mine for p in r[0]]
+        empty = [p for p in problems if p.endswith("(exit 5)")]
+        if empty and len(empty) < len(mine) and runs_subset(pytest_args):
+            # -k / -m select within each part: a part left empty is fine if another ran tests
+            problems = [p for p in problems if p not in empty]
         reports = [r[1] for r in mine if r[1] is not None]
         uncovered = upstream_failures(name, reports, list(cfg[name]["upstreams"])) if reports else []
         for r in reports:
@@ -643,7 +647,8 @@ def run_tests(names: list[str], pytest_args: list[str]) -> int:
             problems += uncovered
         summary.append((name, problems, sum(r[2] for r in mine)))
     for name, problems, secs in summary:
-        log(f"{name}: {'passed' if not problems else 'FAILED (' + '; '.join(problems) + ')'} in {secs:.0f} s")
+        verdict = "passed" if not problems else "FAILED (" + "; ".join(problems) + ")"
+        log(f"{name}: {verdict} ({secs:.0f} s of pytest runs)")
     log(f"all environments: {time.time() - start:.0f} s wall clock")
     return 0 if all(not problems for _, problems, _ in summary) else 1
 
