@@ -495,8 +495,10 @@ def test_parts(name: str, cfg: dict) -> list[list[str]]:
     for path in carved:
         if not any(path == t or path.startswith(t.rstrip("/") + "/") for t in entry["tests"]):
             raise SystemExit(f"env {name}: part path {path!r} is not under its tests {entry['tests']}")
-    rest = [*entry["tests"], *(f"--ignore={path}" for path in carved)]
-    return [rest, *parts]
+    # pytest does not --ignore a path given as an argument: a part equal to a test path is
+    # dropped from the rest, a part under one is ignored there.
+    rest = [t for t in entry["tests"] if t not in carved]
+    return [[*rest, *(f"--ignore={path}" for path in carved if path not in entry["tests"])], *parts]
 
 
 _installed: set[str] = set()

@@ -171,7 +171,8 @@ def test_overlay_pins_replace_the_base_pins():
 def test_test_environments_and_the_lint_environment():
     envs, locks, _ = _load()
     for env, cfg in envs.items():
-        for path in cfg.get("tests", []):
+        for path in cfg.get("tests", []) + [p for part in cfg.get("parts", []) for p in part]:
+            path = path.removeprefix("--ignore=")
             file, _, test = path.partition("::")
             assert os.path.exists(os.path.join(ROOT, file)), f"env {env}: test path {path} does not exist"
             if test:
@@ -210,3 +211,23 @@ def test_malformed_overlays_are_refused(entry, message):
         envs.overlay_of("new", cfg)
     assert envs.overlay_of("over", cfg) == ("py312", ["b==2"], [])
     assert envs.overlay_of("py312", cfg) is None
+
+
+def test_parts_split_an_environment_without_losing_or_repeating_tests():
+    """``parts`` run alone and the rest runs with them ignored: every path of the environment is
+    run by exactly one pytest process; a part outside the environment's tests is refused."""
+    envs = _envs_module()
+    cfg = {"e": {"tests": ["tests/unit", "tests/e2e", "--ignore=tests/unit/x.py"], "parts": [["tests/e2e"]]}}
+    assert envs.test_parts("e", cfg) == [["tests/unit", "--ignore=tests/unit/x.py"], ["tests/e2e"]]
+    cfg = {"e": {"tests": ["tests/unit", "tests/integration"], "parts": [["tests/integration/vllm"]]}}
+    assert envs.test_parts("e", cfg) == [
+        ["tests/unit", "tests/integration", "--ignore=tests/integration/vllm"],
+        ["tests/integration/vllm"],
+    ]
+    assert envs.test_parts("e", {"e": {"tests": ["tests/unit"]}}) == [["tests/unit"]]
+    with pytest.raises(SystemExit, match="is not under its tests"):
+        envs.test_parts("e", {"e": {"tests": ["tests/unit"], "parts": [["tests/e2e"]]}})
+    with pytest.raises(SystemExit, match="parts must be a list"):
+        envs.test_parts("e", {"e": {"tests": ["tests/unit"], "parts": [[]]}})
+    counts, problems = envs.read_upstream_counts([])
+    assert counts == {} and problems == []
