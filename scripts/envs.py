@@ -15,6 +15,9 @@ upstream has no passed test: tests/conftest.py writes, per upstream passed to ne
 tests passed, failed and skipped ($REPLAY_TEST_REPORT). When extra pytest arguments select a
 subset of the tests (paths, -k, -m, -x, ...) that upstream check is reported but not enforced.
 
+Pytest runs go $REPLAY_TEST_JOBS at a time (default 2), in envs.toml order; an environment's
+`parts` run as pytest processes of their own beside the rest of its tests (``test_parts``).
+
 Venvs live in $REPLAY_VENVS (default ~/.cache/replay-plugin/venvs) under NAME-<hash of the lock
 file and Python version>, so a venv is reused only while its pinned requirements are unchanged;
 .venvs/NAME in the repo links to the current one and .venv links to .venvs/main.
@@ -451,9 +454,9 @@ def _test_path(arg: str) -> str | None:
 
 
 def test_jobs() -> int:
-    """How many environments are tested at once: ``$REPLAY_TEST_JOBS``, else 2 (or 1 on a
-    one-core machine). Two halves the wall clock of the suites' many single-threaded stretches
-    (interpreter start-up, upstream imports, subprocess waits) on the 2-core CI machine."""
+    """How many pytest runs go at once: ``$REPLAY_TEST_JOBS``, else 2 (or 1 on a one-core
+    machine). On the 2-core CI machine two took the warm run from 33 to 17-19 minutes (the
+    suites are mostly single-threaded: interpreter start-ups, upstream imports, engine starts)."""
     value = os.environ.get("REPLAY_TEST_JOBS")
     if value:
         try:
