@@ -257,7 +257,6 @@ def _throughput(quick: bool) -> list[Result]:
             timed(batch)
         before = capture_stats()
         wall: dict[str, list[float]] = {k: [] for k in batches}
-        cpu: dict[str, list[float]] = {k: [] for k in batches}
         ratios: dict[str, list[float]] = {"plain-wall": []}
         seconds = {k: {"wall": 0.0, "cpu": 0.0, "tokens": 0} for k in batches}
         miss = rows = 0
@@ -266,9 +265,8 @@ def _throughput(quick: bool) -> list[Result]:
             order = names[r % 3 :] + names[: r % 3]  # rotate which goes first
             outs_of = {}
             for name in order:
-                w, c, outs = timed(batches[name], name)
+                w, _, outs = timed(batches[name], name)
                 wall[name].append(w)
-                cpu[name].append(c)
                 outs_of[name] = outs
             ratios["plain-wall"].append(wall["capture"][-1] / wall["plain"][-1])
             for c, b in zip(outs_of["capture"], outs_of["top-k"]):
