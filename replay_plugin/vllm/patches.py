@@ -8,6 +8,8 @@ request admission and its capture in two helper modules; the served patches shar
 * ``vllm.request_guard`` on the input processor (front end; no upper version bound: it must
   stay when the capture patches are skipped);
 * ``vllm.engine_admission`` on the engine core module (engine-core processes, headless ones too);
+* ``vllm.batch_rows`` on the scheduler module (engine-core processes; its front-end half is
+  part of ``vllm.sample_support``);
 * ``vllm.sampler_rows`` and ``vllm.cpu_logprob_ranks`` on the V1 sampler (worker processes);
 * ``vllm.routed_experts`` on the output processor of the API-server process;
 * ``vllm.openai_fields``, ``vllm.served_endpoints`` and ``vllm.generate_fields`` on the server's
@@ -26,6 +28,7 @@ PATCHES = {
     ),
     "vllm.request_guard": Patch("replay_plugin.vllm.request_guard"),
     "vllm.engine_admission": Patch("replay_plugin.vllm.engine_admission"),
+    "vllm.batch_rows": Patch("replay_plugin.vllm.batch_rows"),
     "vllm.sampler_rows": Patch("replay_plugin.vllm.sampler_rows"),
     "vllm.cpu_logprob_ranks": Patch("replay_plugin.vllm.cpu_logprob_ranks"),
     "vllm.routed_experts": Patch("replay_plugin.vllm.routed_experts", knobs=options.ROUTES_KNOBS),

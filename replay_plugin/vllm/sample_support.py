@@ -16,12 +16,14 @@ runner the supported versions use.
 Two modules do the work: ``sample_support_admission`` (engine fitting, per-request plan or
 refusal) and ``sample_support_capture`` (logprob rows -> support rows on the outputs, in
 ``O(new tokens)`` per output whatever the output kind; an engine core's refusal raised to the
-caller).
+caller). ``batch_rows.unpack_outputs`` gives each output its rows back when the engine core's
+``vllm.batch_rows`` sent a step's rows in one batch.
 """
 
 from __future__ import annotations
 
 from ..patcher import Patcher
+from . import batch_rows
 from . import sample_support_admission as admission
 from . import sample_support_capture as capture
 from .refusal import SampleSupportRefused  # noqa: F401 - public names
@@ -45,3 +47,5 @@ def install(patcher: Patcher) -> None:
     patcher.wrap("RequestState._new_completion_output", capture._attach)
     patcher.wrap("RequestState.make_request_output", capture._engine_refusal)
     patcher.wrap("RequestOutput.add", capture._merge_deltas)
+    # the front-end half of vllm.batch_rows (rows an engine core sent in one batch per step)
+    patcher.wrap("OutputProcessor.process_outputs", batch_rows._unpack)

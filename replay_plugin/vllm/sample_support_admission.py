@@ -131,7 +131,15 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
         internal = 0 if user is None else user
     else:
         internal = width if user is None else max(user, width)
-    return {"width": int(width), "user_logprobs": user, "internal_logprobs": internal, "native": native}
+    # "batch": the engine core may send this request's rows in one batch with the step's other
+    # planned requests (vllm.batch_rows); this patch's front end unpacks them.
+    return {
+        "width": int(width),
+        "user_logprobs": user,
+        "internal_logprobs": internal,
+        "native": native,
+        "batch": not native,
+    }
 
 
 def _opts_in(extra: dict | None) -> bool:

@@ -208,6 +208,9 @@ def server(tie_model, tmp_path_factory):
         REPLAY_PLUGIN_STATUS_DIR=status_dir,
         REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS="opt-in",
         VLLM_CPU_KVCACHE_SPACE="1",
+        # one output per process_outputs call: rows vllm.batch_rows sent in one batch per step
+        # (n > 1, several prompts) reach their outputs across AsyncLLM's chunks
+        VLLM_V1_OUTPUT_PROC_CHUNK_SIZE="1",
     )
     # `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for the distribution
     # "vllm", which the vllm-cpu repack does not provide (PackageNotFoundError); the API server

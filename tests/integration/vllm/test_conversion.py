@@ -115,7 +115,7 @@ def test_plan_request_on_real_sampling_params(monkeypatch):
     opt = {"replay_sample_support": True}
     assert plan_request(SamplingParams(top_k=5), engine()) is None  # not opted in
     plan = plan_request(SamplingParams(top_k=5, extra_args=opt), engine())
-    assert plan == {"width": 21, "user_logprobs": None, "internal_logprobs": 21, "native": False}
+    assert plan == {"width": 21, "user_logprobs": None, "internal_logprobs": 21, "native": False, "batch": True}
     plan = plan_request(
         SamplingParams(top_k=5, logprobs=30, extra_args={**opt, "replay_sample_support_slack": "2"}), engine()
     )
@@ -124,6 +124,7 @@ def test_plan_request_on_real_sampling_params(monkeypatch):
     assert plan_request(SamplingParams(top_k=5, logprobs=-1, extra_args=opt), engine())["internal_logprobs"] == -1
     native = plan_request(SamplingParams(top_k=5, extra_args=opt), engine(native=True))
     assert native["native"] and native["internal_logprobs"] == 0  # only the sampled token's logprob
+    assert not native["batch"]  # vllm.batch_rows moves logprob rows; the native mask needs none
 
     cases = [
         (SamplingParams(top_k=5, temperature=0.0, extra_args=opt), engine(), "temperature"),

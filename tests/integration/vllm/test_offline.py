@@ -152,11 +152,16 @@ SETTINGS = [
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_rows_equal_the_full_width_oracle(llm, setting):
     from replay_plugin.vllm import support_of
+    from replay_plugin.vllm.batch_rows import batch_stats
 
     with stock_vllm():  # stock: the support is only recoverable at full width, per request
         stock = _generate(llm, _params(extra_args=OPT_IN, **setting))
     assert all(support_of(o, required=False) is None for o in stock)
+    unpacked = batch_stats()["unpacked"]
     captured = _generate(llm, _params(extra_args=OPT_IN, **setting))
+    # the engine core (its own process) sent each step's captured rows in one batch
+    # (vllm.batch_rows); this front end gave every output its rows back
+    unpacked = batch_stats()["unpacked"] - unpacked
     oracle_outs, oracle = _oracle(llm, **setting)
     checked = 0
     for out, ref_out, positions in zip(captured, oracle_outs, oracle):
@@ -173,6 +178,7 @@ def test_rows_equal_the_full_width_oracle(llm, setting):
             assert rows.sampled_logprob[i] == pytest.approx(position[int(rows.sampled[i])], abs=1e-6)
             checked += 1
     assert checked >= len(PROMPTS) * 8
+    assert unpacked >= checked // 2, (unpacked, checked)
 
 
 def test_renormalised_logprob_reproduces_vllms_sampled_logprob(llm):
