@@ -65,14 +65,15 @@ def _batched(request: Any) -> bool:
 def pack_outputs(outputs: list, requests: dict) -> bool:
     """Move the rows of ``outputs`` (one client's ``EngineCoreOutput`` list of a step) whose
     request in ``requests`` is planned for batching into one carrier; True when it did. Fewer
-    than two such outputs, rows of different widths or multi-token layouts are left as they are.
+    than two such outputs, rows of different widths or multi-token layouts are left as they are,
+    and so is an output with no rows.
     Nothing is changed until the carrier is built."""
     picked: list[int] = []
     parts: list[Any] = []
     for i, out in enumerate(outputs):
         lists = out.new_logprobs
-        if lists is None:
-            continue
+        if lists is None or lists.logprob_token_ids.shape[0] == 0:
+            continue  # vLLM slices rows for an output without new tokens too (e.g. a stop)
         request = requests.get(out.request_id)
         if request is None or not _batched(request):
             continue  # not planned, or already freed (its final output): travels on its own

@@ -109,6 +109,22 @@ def test_rows_travel_in_one_batch_and_come_back_per_output(chunk):
     _same(_rows(received), before)
 
 
+def test_an_output_without_rows_travels_on_its_own():
+    from replay_plugin.vllm.batch_rows import pack_outputs, unpack_outputs
+
+    outputs, requests = _step()
+    empty = outputs[2].new_logprobs._replace(
+        **{f: a[:0] for f, a in zip(("logprob_token_ids", "logprobs", "sampled_token_ranks"), outputs[2].new_logprobs)}
+    )
+    outputs[2].new_logprobs = empty  # vLLM slices zero rows for an output without new tokens
+    before = _rows(outputs)
+    assert pack_outputs(outputs, requests)
+    assert outputs[2].new_logprobs is empty and outputs[3].new_logprobs is None
+    received = _wire(outputs)
+    assert unpack_outputs(received, None) is None
+    _same(_rows(received), before)
+
+
 def test_unplanned_steps_are_left_alone():
     from replay_plugin.vllm.batch_rows import pack_outputs
 
