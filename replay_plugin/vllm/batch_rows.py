@@ -152,6 +152,14 @@ class _Pending:
         self.seen = 0
 
 
+def _lost(pending: _Pending) -> None:
+    log.error(
+        "replay_plugin: vllm.batch_rows: %d batched support-row entries were never handed out; "
+        "their tokens' rows are inexact",
+        len(pending.entries),
+    )
+
+
 def _is_carrier(lists: Any) -> bool:
     layout = lists.cu_num_generated_tokens
     return bool(layout) and layout[0] == MAGIC
@@ -166,11 +174,7 @@ def unpack_outputs(outputs: Any, pending: _Pending | None) -> _Pending | None:
         lists = out.new_logprobs
         if lists is not None and _is_carrier(lists):
             if pending is not None:
-                log.error(
-                    "replay_plugin: vllm.batch_rows: %d batched support-row entries were never "
-                    "handed out; their tokens' rows are inexact",
-                    len(pending.entries),
-                )
+                _lost(pending)
             try:
                 pending = _Pending(lists)
             except ValueError as exc:
@@ -203,11 +207,7 @@ def _unpack(wrapped, instance, args, kwargs):
     stamp = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
     pending, pending_stamp = instance.__dict__.pop(_PENDING, (None, None))
     if pending is not None and stamp != pending_stamp:
-        log.error(
-            "replay_plugin: vllm.batch_rows: %d batched support-row entries were never handed "
-            "out; their tokens' rows are inexact",
-            len(pending.entries),
-        )
+        _lost(pending)
         pending = None
     # AsyncLLM passes numpy object arrays (np.array_split chunks): no truth value, only len()
     if outputs is not None and len(outputs):
