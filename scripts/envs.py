@@ -557,6 +557,7 @@ def _run_pytest(
         "no:cacheprovider",
         "--rootdir",
         ROOT,
+        "--durations=12",  # where CI's minutes go (issue 15's budget), in every run's output
         *own,
         *args,
     ]
