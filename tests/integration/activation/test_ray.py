@@ -1,7 +1,7 @@
 """Activation in Ray actors on a real local Ray cluster (ray 2.60, 2 CPUs, no dashboard): every
 actor that imports megatron-core is patched, `runtime_env={"env_vars": ...}` switches a patch off
 (or the whole plugin) in one actor only, and each actor writes its own status file. The README's
-"Ray" section rests on this."""
+"Ray" section rests on this; its block (``readme-test: ray-runtime-env``) starts the cluster."""
 
 import glob
 import json
@@ -19,11 +19,9 @@ DRIVER = r"""
 import json, sys
 import ray
 
-status_dir = sys.argv[1]
-# address="local": a new cluster of our own, never one another job started on this machine. The
-# job-level runtime_env reaches every worker the job starts; actors add their own variables.
-ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-         runtime_env={"env_vars": {"REPLAY_PLUGIN_STATUS_DIR": status_dir}})
+status_dir, toggle, tests = sys.argv[1:4]
+sys.path.insert(0, tests)
+import readme_blocks
 
 
 @ray.remote(num_cpus=0)
@@ -36,7 +34,7 @@ class Probe:
         importlib.import_module("megatron.core.pipeline_parallel.schedules" if core else "megatron")
         s = sys.modules.get("megatron.core.pipeline_parallel.schedules")
         out = {"pid": os.getpid(), "armed_at_start": armed, "plugin_loaded": "replay_plugin" in sys.modules,
-               "python": sys.executable}
+               "python": sys.executable, "env": {k: v for k, v in os.environ.items() if k.startswith("REPLAY_PLUGIN_")}}
         if out["plugin_loaded"] and s is not None:
             import replay_plugin
             from replay_plugin.patcher import patch_marker
@@ -45,9 +43,13 @@ class Probe:
         return out
 
 
+# The README's block as written starts the cluster (ray.init() without an address: a local cluster
+# of its own, RAY_ADDRESS is unset) with the job's env_vars and makes the toggled actor; the other
+# actors join the same job.
+ns = readme_blocks.run("ray-runtime-env", {"status_dir": status_dir, "Actor": Probe})
 actors = {
     "default": Probe.remote(),
-    "toggled_off": Probe.options(runtime_env={"env_vars": {sys.argv[2]: "0"}}).remote(),
+    "toggled_off": ns["actor"],
     "disabled": Probe.options(runtime_env={"env_vars": {"REPLAY_PLUGIN_DISABLE": "1"}}).remote(),
 }
 calls = [a.run.remote(name != "disabled") for name, a in actors.items()]
@@ -67,10 +69,13 @@ def _status_files(directory):
 
 
 def test_actors_activate_toggle_and_write_status_files(tmp_path):
+    """One local cluster (each start costs ~20 s of CI): the README's Ray block as written makes
+    it and the toggled actor; a default actor and one with REPLAY_PLUGIN_DISABLE join it."""
     need("megatron-core")
     pytest.importorskip("ray")
     status_dir = tmp_path / "status"
-    proc = run_python(DRIVER, env={"RAY_ADDRESS": ""}, args=(str(status_dir), TOGGLE), timeout=800)
+    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = run_python(DRIVER, env={"RAY_ADDRESS": ""}, args=(str(status_dir), TOGGLE, tests), timeout=800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])
     actors = report["actors"]
@@ -82,7 +87,10 @@ def test_actors_activate_toggle_and_write_status_files(tmp_path):
     # activated by the .pth finder in a worker process the raylet started
     assert default["armed_at_start"] and default["marker"] == "megatron.router_replay_scope"
     assert default["states"]["megatron.router_replay_scope"] == "applied"
-    # the actor's own runtime_env switches one patch off there, and only that one
+    assert default["env"] == {"REPLAY_PLUGIN_STATUS_DIR": str(status_dir)}
+    # the README actor's own runtime_env switches one patch off there, and only that one; the
+    # job's and the actor's env_vars both reach it (Ray merges them)
+    assert off["env"] == {"REPLAY_PLUGIN_STATUS_DIR": str(status_dir), TOGGLE: "0"}, off["env"]
     assert off["marker"] is None and off["states"]["megatron.router_replay_scope"] == "disabled"
     assert off["states"]["megatron.replay_padding_fallback"] == "applied"
     # REPLAY_PLUGIN_DISABLE in the actor's runtime_env is seen at interpreter start: nothing loads,
@@ -90,51 +98,9 @@ def test_actors_activate_toggle_and_write_status_files(tmp_path):
     assert not disabled["armed_at_start"] and not disabled["plugin_loaded"]
 
     # one status file per activated actor, written by that actor, with its own states; the job's
-    # REPLAY_PLUGIN_STATUS_DIR reached the actors that set variables of their own too (Ray merges
-    # job and actor env_vars)
+    # REPLAY_PLUGIN_STATUS_DIR reached the actor that set variables of its own too
     docs = _status_files(str(status_dir))
     assert set(docs) == {default["pid"], off["pid"]}, sorted(docs)
     for probe in (default, off):
         states = {p["name"]: p["state"] for p in docs[probe["pid"]]["patches"]}
         assert states["megatron.router_replay_scope"] == probe["states"]["megatron.router_replay_scope"]
-
-
-README_DRIVER = r"""
-import json, sys
-import ray
-
-sys.path.insert(0, sys.argv[2])
-import readme_blocks
-
-
-@ray.remote(num_cpus=0)
-class Actor:
-    def run(self):
-        import os
-        import megatron.core.pipeline_parallel.schedules  # noqa: F401 - fires the plugin's finder
-        import replay_plugin
-        env = {k: v for k, v in os.environ.items() if k.startswith("REPLAY_PLUGIN_")}
-        return {"pid": os.getpid(), "env": env, "states": {r["name"]: r["state"] for r in replay_plugin.status()}}
-
-
-ns = readme_blocks.run("ray-runtime-env", {"status_dir": sys.argv[1], "Actor": Actor})
-print("REPORT" + json.dumps(ray.get(ns["actor"].run.remote(), timeout=600)))
-ray.shutdown()
-"""
-
-
-def test_readme_ray_block(tmp_path):
-    """The README's Ray block as written (a local cluster of its own: no RAY_ADDRESS): the job's
-    and the actor's env_vars both reach the actor, its toggle switches the patch off there, and it
-    writes its status file into the job's directory."""
-    need("megatron-core")
-    pytest.importorskip("ray")
-    status_dir = tmp_path / "status"
-    tests = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = run_python(README_DRIVER, env={"RAY_ADDRESS": ""}, args=(str(status_dir), tests), timeout=800)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])
-    assert out["env"] == {"REPLAY_PLUGIN_STATUS_DIR": str(status_dir), TOGGLE: "0"}, out["env"]
-    assert out["states"]["megatron.router_replay_scope"] == "disabled"
-    assert out["states"]["megatron.replay_padding_fallback"] == "applied"
-    assert set(_status_files(str(status_dir))) == {out["pid"]}
