@@ -292,8 +292,10 @@ def _descending(
     # vLLM's entries are torch.topk output: finite ones first, descending, -inf last. One
     # comparison checks that (NaN fails it too); reorder only when a source breaks it (stable,
     # so ties keep the engine's order).
+    # +inf passes that check at the front, where it would leave a PAD before the members (it is
+    # not a member): such rows are reordered too.
     n = cand.shape[1]
-    if n > 1 and not bool((cand_lp[:, 1:] <= cand_lp[:, :-1]).all()):
+    if n > 1 and not (bool((cand_lp[:, 1:] <= cand_lp[:, :-1]).all()) and not np.isposinf(cand_lp[:, 0]).any()):
         key = np.where(np.isfinite(cand_lp), -cand_lp, np.inf)
         order = np.argsort(key, axis=1, kind="stable")
         cand = np.take_along_axis(cand, order, axis=1)
