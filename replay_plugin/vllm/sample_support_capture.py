@@ -248,16 +248,20 @@ class _Capture:
 def _rows_from_arrays(ids: list[np.ndarray], lps: list[np.ndarray], width: int) -> SupportRows:
     """Rows from vLLM's per-step ``[positions, N+1]`` arrays (``N`` may differ between steps:
     it is the batch's largest ``logprobs``)."""
-    if len(ids) == 1:
-        a, b = ids[0], lps[0]
-        t, c = a.shape
-        start = np.arange(t, dtype=np.int64) * c
+    cols = np.fromiter((a.shape[1] for a in ids), np.int64, len(ids))
+    if (cols == cols[0]).all():  # one width (the usual case): stacked without flattening each
+        a, b = np.concatenate(ids), np.concatenate(lps)
+        start = np.arange(a.shape[0], dtype=np.int64) * a.shape[1]
         return support_from_flat_logprobs(
-            {"start_indices": start, "end_indices": start + c, "token_ids": a.reshape(-1), "logprobs": b.reshape(-1)},
+            {
+                "start_indices": start,
+                "end_indices": start + a.shape[1],
+                "token_ids": a.reshape(-1),
+                "logprobs": b.reshape(-1),
+            },
             width,
         )
     counts = np.fromiter((a.shape[0] for a in ids), np.int64, len(ids))
-    cols = np.fromiter((a.shape[1] for a in ids), np.int64, len(ids))
     lens = np.repeat(cols, counts)
     end = np.cumsum(lens)
     flat = {

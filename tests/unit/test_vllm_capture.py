@@ -66,6 +66,31 @@ def test_one_row_path_equals_the_core_conversion():
     assert scalar > 2000
 
 
+@pytest.mark.parametrize("same_width", [True, False])
+def test_step_arrays_convert_as_the_core_converts_each_row(same_width):
+    """``_rows_from_arrays`` (steps of one width stacked at once, or of several widths flattened)
+    gives every row the core's conversion of that row alone, garbage and disorder included."""
+    rng = np.random.default_rng(3)
+    steps = []
+    for _ in range(200):
+        n = 8 if same_width else int(rng.integers(6, 11))
+        rows = [_random_position(rng, n) for _ in range(int(rng.integers(1, 4)))]
+        steps.append((np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])))
+    got = capture._rows_from_arrays([s[0] for s in steps], [s[1] for s in steps], 8)
+    at = 0
+    for ids, lps in steps:
+        for i in range(ids.shape[0]):
+            start = np.array([0])
+            ref = support_from_flat_logprobs(
+                {"start_indices": start, "end_indices": start + ids.shape[1], "token_ids": ids[i], "logprobs": lps[i]},
+                8,
+            )
+            for name in ("ids", "sampled", "sampled_logprob", "exact"):
+                np.testing.assert_array_equal(getattr(got, name)[at], getattr(ref, name)[0])
+            at += 1
+    assert at == len(got)
+
+
 def _steps(rng, count, width=8):
     out = []
     for _ in range(count):
