@@ -16,7 +16,9 @@ the front-end half, :func:`unpack_outputs`) go in one ``LogprobsLists`` on the f
 output; the others carry none. Its ``cu_num_generated_tokens`` (vLLM's field for per-request
 offsets, which are never negative) holds the layout: ``[MAGIC, d_0, end_0, d_1, end_1, ...]``,
 where ``d_j`` is the output's distance from the carrier in the step's output list and
-``rows[end_{j-1}:end_j]`` its rows. The front end gives every listed output its own rows back
+``rows[end_{j-1}:end_j]`` its rows. When every request of the step that asks for rows is planned
+(an RL job that opts every request in), vLLM slices none: the carrier is gathered from the step's
+arrays directly (see ``_pack``). The front end gives every listed output its own rows back
 before vLLM reads them, across ``AsyncLLM``'s chunking of a step's outputs
 (``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``). Outputs of requests that did not opt in are never touched
 (byte for byte stock); without this patch in the engine core the rows travel per request as in
@@ -100,10 +102,88 @@ def pack_outputs(outputs: list, requests: dict) -> bool:
     return True
 
 
+def _wanted_rows(scheduler_output: Any, requests: dict) -> set | None:
+    """The step's requests vLLM would slice logprob rows for (``num_logprobs`` set), when every
+    one of them is planned for batching: then vLLM need not slice any (None otherwise)."""
+    wanted = set()
+    for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():
+        request = requests.get(req_id)
+        params = getattr(request, "sampling_params", None)
+        if params is None or params.num_logprobs is None:
+            continue
+        if not _batched(request):
+            return None
+        wanted.add(req_id)
+    return wanted
+
+
+def gather_outputs(outputs: list, lists: Any, index: dict, wanted: set) -> None:
+    """Give the ``wanted`` outputs of one client's step their rows of the step's ``lists``
+    (rows of ``index[request_id]``, one per new token, as vLLM slices them), batched into one
+    carrier gathered with one fancy index per array when there are two or more with rows."""
+    picked: list[int] = []
+    rows: list[int] = []
+    layout = [MAGIC]
+    for i, out in enumerate(outputs):
+        at = index.get(out.request_id)
+        if at is None or out.request_id not in wanted:
+            continue  # not asking for rows, or not computed this step (an error output)
+        n = len(out.new_token_ids)
+        if n == 0:
+            out.new_logprobs = lists.slice_request(at, 0)  # as vLLM: an empty slice, own output
+            continue
+        if picked:
+            layout.append(i - picked[0])
+        else:
+            layout.append(0)
+        picked.append(i)
+        rows.extend(range(at, at + n))
+        layout.append(len(rows))
+    if len(picked) == 1:
+        i = picked[0]
+        outputs[i].new_logprobs = lists.slice_request(rows[0], len(rows))
+    elif picked:
+        take = np.asarray(rows, dtype=np.intp)
+        outputs[picked[0]].new_logprobs = type(lists)(
+            lists.logprob_token_ids[take], lists.logprobs[take], lists.sampled_token_ranks[take], layout
+        )
+        _stats["packed"] += len(picked)
+
+
 def _pack(wrapped, instance, args, kwargs):
-    """``Scheduler.update_from_output``: batch the captured rows of each client's outputs."""
-    result = wrapped(*args, **kwargs)
+    """``Scheduler.update_from_output``: batch the captured rows of each client's outputs.
+
+    When every request of the step that asks for logprob rows is planned for batching (an RL
+    job that opted every request in), vLLM is handed the step without its logprob rows, so it
+    slices none (vLLM reads ``model_runner_output.logprobs`` only to slice it per request, 0.30
+    to 0.33), and each client's rows are gathered into its carrier at once: per output one dict
+    lookup instead of vLLM's slice and this patch's re-concatenation. Otherwise vLLM slices as
+    stock and :func:`pack_outputs` batches the planned outputs' slices."""
+    scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+    runner_output = args[1] if len(args) > 1 else kwargs.get("model_runner_output")
     requests = getattr(instance, "requests", None)
+    lists = getattr(runner_output, "logprobs", None)
+    wanted = None
+    if (
+        requests is not None
+        and lists is not None
+        and lists.cu_num_generated_tokens is None  # one row per request (no speculative tokens)
+        and isinstance(getattr(runner_output, "req_id_to_index", None), dict)
+    ):
+        wanted = _wanted_rows(scheduler_output, requests)
+    if wanted:
+        runner_output.logprobs = None
+        try:
+            result = wrapped(*args, **kwargs)
+        finally:
+            runner_output.logprobs = lists
+        if isinstance(result, dict):
+            for engine_outputs in result.values():
+                outputs = getattr(engine_outputs, "outputs", None)
+                if outputs:
+                    gather_outputs(outputs, lists, runner_output.req_id_to_index, wanted)
+        return result
+    result = wrapped(*args, **kwargs)
     if isinstance(result, dict) and requests is not None:
         for engine_outputs in result.values():
             outputs = getattr(engine_outputs, "outputs", None)

@@ -34,7 +34,9 @@ def _request(planned: bool, batch: bool = True):
 
     extra = {options.PLAN_KEY: {"width": W, "user_logprobs": None, "native": False, "batch": batch}}
     # the engine core reads only Request.sampling_params; vLLM's Request needs a whole engine
-    return types.SimpleNamespace(sampling_params=SamplingParams(top_k=4, extra_args=extra if planned else None))
+    # planned: the admission asks for W logprobs (vllm.sample_support)
+    params = SamplingParams(top_k=4, logprobs=W if planned else None, extra_args=extra if planned else None)
+    return types.SimpleNamespace(sampling_params=params)
 
 
 def _step():
@@ -165,3 +167,50 @@ def test_malformed_or_stale_batches_are_dropped_loudly(caplog):
         _unpack(wrapped, processor, (next_step, 2.0), {})  # step 2: unbatched rows, untouched
     assert "never handed out" in caplog.text
     assert seen[1] == [o.new_logprobs is not None for o in next_step] and all(seen[1][:4])
+
+
+def test_a_step_whose_rows_are_all_planned_is_gathered_without_vllms_slices():
+    """Every request asking for rows is planned: vLLM is handed the step without its rows
+    (slices none) and each output gets exactly the rows vLLM would have sliced for it, from the
+    step's arrays, in the output order (not the batch order); a step with a plain request that
+    asked for logprobs is left to vLLM's slicing."""
+    from vllm.v1.engine import EngineCoreOutput
+
+    from replay_plugin.vllm.batch_rows import MAGIC, _wanted_rows, gather_outputs, unpack_outputs
+
+    _, requests = _step()
+    steps, _ = _step()
+    batch = type(steps[0].new_logprobs)(
+        *(np.concatenate([o.new_logprobs[f] for o in steps if o.new_logprobs is not None]) for f in range(3))
+    )
+    from vllm import SamplingParams
+
+    scheduled = types.SimpleNamespace(num_scheduled_tokens={f"r{i}": 1 for i in range(5)})
+    assert _wanted_rows(scheduled, requests) == {"r0", "r2", "r3"}  # r1 and r4 ask for no rows
+    requests["r1"].sampling_params = SamplingParams(top_k=4, logprobs=1)  # a plain request with logprobs
+    assert _wanted_rows(scheduled, requests) is None  # vLLM slices the step as stock
+    requests["r1"].sampling_params = SamplingParams(top_k=4)
+    wanted = _wanted_rows(scheduled, requests)
+    assert wanted == {"r0", "r2", "r3"}
+
+    index = {"r0": 4, "r1": 0, "r2": 1, "r3": 3, "r4": 2}  # the runner's batch order
+    outputs = [
+        EngineCoreOutput(request_id=r, new_token_ids=[int(batch.logprob_token_ids[index[r], 0])], new_logprobs=None)
+        for r in ("r0", "r1", "r2", "r4", "r3")
+    ]
+    outputs[2].new_token_ids = []  # r2 stopped without a token this step: an empty slice, as vLLM
+    expected = [batch.slice_request(index[o.request_id], len(o.new_token_ids)) if o.request_id in wanted else None
+                for o in outputs]  # fmt: skip
+    gather_outputs(outputs, batch, index, wanted)
+    assert outputs[0].new_logprobs.cu_num_generated_tokens == [MAGIC, 0, 1, 4, 2]
+    assert outputs[1].new_logprobs is None and outputs[3].new_logprobs is None  # asked for none
+    assert outputs[2].new_logprobs.logprob_token_ids.shape == (0, W + 1)
+    assert outputs[4].new_logprobs is None  # travels in the carrier
+    received = _wire(outputs)
+    assert unpack_outputs(received, None) is None
+    _same(_rows(received), [None if e is None else tuple(np.array(a) for a in tuple(e)[:3]) for e in expected])
+
+    one = [EngineCoreOutput(request_id="r3", new_token_ids=[5], new_logprobs=None)]
+    gather_outputs(one, batch, index, wanted)  # a lone output: its own slice, no carrier
+    assert one[0].new_logprobs.cu_num_generated_tokens is None
+    assert np.array_equal(one[0].new_logprobs.logprobs, batch.logprobs[3:4])
