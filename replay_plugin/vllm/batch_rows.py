@@ -46,6 +46,15 @@ BATCH_KEY = "batch"
 _PENDING = "_replay_plugin_batch_rows"
 
 _stats = {"packed": 0, "unpacked": 0}
+#: Whether this process planned a request whose rows may come back batched: only a front end that
+#: did looks at its outputs for carriers (the others' ``process_outputs`` runs as stock).
+_expecting = False
+
+
+def expect_batches() -> None:
+    """Called by the admission when it plans a request with ``"batch": True`` in this process."""
+    global _expecting
+    _expecting = True
 
 
 def batch_stats() -> dict:
@@ -283,6 +292,8 @@ def _unpack(wrapped, instance, args, kwargs):
     """``OutputProcessor.process_outputs``: per-request rows back before vLLM reads them. The
     chunks of one step share its ``engine_core_timestamp``: a carrier still pending when the
     next step arrives is dropped (logged), never applied to another step's outputs."""
+    if not _expecting:
+        return wrapped(*args, **kwargs)
     outputs = args[0] if args else kwargs.get("engine_core_outputs")
     stamp = args[1] if len(args) > 1 else kwargs.get("engine_core_timestamp")
     pending, pending_stamp = instance.__dict__.pop(_PENDING, (None, None))

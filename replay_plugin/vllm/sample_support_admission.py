@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import states
 from ..core.sampler import check_replayable
-from . import options
+from . import batch_rows, options
 from .refusal import SampleSupportRefused, refusal
 from .sample_support_capture import count_request
 
@@ -133,6 +133,8 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
         internal = width if user is None else max(user, width)
     # "batch": the engine core may send this request's rows in one batch with the step's other
     # planned requests (vllm.batch_rows); this patch's front end unpacks them.
+    if not native:
+        batch_rows.expect_batches()
     return {
         "width": int(width),
         "user_logprobs": user,

@@ -138,7 +138,8 @@ def test_unplanned_steps_are_left_alone():
     assert [o.new_logprobs for o in outputs] == before
 
 
-def test_malformed_or_stale_batches_are_dropped_loudly(caplog):
+def test_malformed_or_stale_batches_are_dropped_loudly(caplog, monkeypatch):
+    from replay_plugin.vllm import batch_rows
     from replay_plugin.vllm.batch_rows import MAGIC, _unpack, pack_outputs, unpack_outputs
 
     outputs, requests = _step()
@@ -159,6 +160,13 @@ def test_malformed_or_stale_batches_are_dropped_loudly(caplog):
 
     def wrapped(outs, stamp=None):
         seen.append([o.new_logprobs is not None for o in outs])
+
+    # a front end that planned no batched request in its process leaves its outputs as stock
+    monkeypatch.setattr(batch_rows, "_expecting", False)
+    carrier = outputs[0].new_logprobs
+    _unpack(wrapped, processor, (outputs[:2], 1.0), {})
+    assert outputs[0].new_logprobs is carrier and outputs[1].new_logprobs is not None and seen.pop()
+    monkeypatch.setattr(batch_rows, "_expecting", True)  # the admission planned one here
 
     caplog.clear()
     with caplog.at_level(logging.ERROR, logger="replay_plugin"):
