@@ -141,16 +141,12 @@ def gather_outputs(outputs: list, lists: Any, index: dict, wanted: set) -> None:
         if n == 0:
             out.new_logprobs = lists.slice_request(at, 0)  # as vLLM: an empty slice, own output
             continue
-        if picked:
-            layout.append(i - picked[0])
-        else:
-            layout.append(0)
+        layout.append(i - picked[0] if picked else 0)
         picked.append(i)
         rows.extend(range(at, at + n))
         layout.append(len(rows))
     if len(picked) == 1:
-        i = picked[0]
-        outputs[i].new_logprobs = lists.slice_request(rows[0], len(rows))
+        outputs[picked[0]].new_logprobs = lists.slice_request(rows[0], len(rows))
     elif picked:
         take = np.asarray(rows, dtype=np.intp)
         outputs[picked[0]].new_logprobs = type(lists)(
@@ -180,23 +176,19 @@ def _pack(wrapped, instance, args, kwargs):
         and isinstance(getattr(runner_output, "req_id_to_index", None), dict)
     ):
         wanted = _wanted_rows(scheduler_output, requests)
-    if wanted:
+    if wanted:  # vLLM slices nothing; the rows are gathered below
         runner_output.logprobs = None
-        try:
-            result = wrapped(*args, **kwargs)
-        finally:
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        if wanted:
             runner_output.logprobs = lists
-        if isinstance(result, dict):
-            for engine_outputs in result.values():
-                outputs = getattr(engine_outputs, "outputs", None)
-                if outputs:
-                    gather_outputs(outputs, lists, runner_output.req_id_to_index, wanted)
-        return result
-    result = wrapped(*args, **kwargs)
     if isinstance(result, dict) and requests is not None:
         for engine_outputs in result.values():
             outputs = getattr(engine_outputs, "outputs", None)
-            if outputs and len(outputs) > 1:
+            if outputs and wanted:
+                gather_outputs(outputs, lists, runner_output.req_id_to_index, wanted)
+            elif outputs and len(outputs) > 1:
                 pack_outputs(outputs, requests)
     return result
 
