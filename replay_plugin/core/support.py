@@ -318,6 +318,10 @@ def _rows_from_candidates(
     """Rows int32 ``[T, W]`` (the candidates above ``min_logprob``, at most ``W``) and ``exact``
     bool ``[T]`` from descending candidates ``[T, N]`` and the sampled ids / logprobs ``[T]``."""
     t, n = cand.shape
+    if absent is None and t and n:
+        fast = _rows_from_ordinary_candidates(cand, cand_lp, sampled, sampled_lp, w, mass_tolerance, min_logprob)
+        if fast is not None:
+            return fast
     finite = np.isfinite(cand_lp)
     member = finite & (cand_lp > min_logprob)
     # An entry that cannot be drawn (-inf, or finite at or below the floor) proves that every
@@ -336,6 +340,42 @@ def _rows_from_candidates(
     closed = unreachable.any(axis=1)
     mass = np.exp(np.where(member, cand_lp, -np.inf)).sum(axis=1, dtype=np.float64)
     exact = (closed | (mass >= 1.0 - mass_tolerance)) & contains & (count <= w) & ~garbage & np.isfinite(sampled_lp)
+    return ids, exact
+
+
+def _rows_from_ordinary_candidates(
+    cand: np.ndarray,
+    cand_lp: np.ndarray,
+    sampled: np.ndarray,
+    sampled_lp: np.ndarray,
+    w: int,
+    mass_tolerance: float,
+    min_logprob: float,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`_rows_from_candidates` for candidates with no absent slot and no NaN or +inf
+    (every row an engine produces), with the same result in a fifth of the time at 4,096 rows:
+    None for any other input. Numpy reduces short rows slowly (a ``[T, 36]`` ``any(axis=1)``
+    costs ~10x an elementwise pass), so it uses that members are a prefix of descending
+    candidates: a row's member count is the first non-member (``argmin``), ``closed`` is a
+    count below ``N``, and the mass is summed only for the rows that are not closed."""
+    if not cand_lp.max() < np.inf:  # NaN propagates through max: either one takes the general path
+        return None
+    t, n = cand.shape
+    member = cand_lp > min_logprob  # -inf and finite entries only: the floor is the whole test
+    count = np.where(member[:, -1], n, np.argmin(member, axis=1))
+    k = min(n, w)
+    ids = np.full((t, w), PAD, dtype=np.int32)
+    ids[:, :k] = cand[:, :k]
+    np.copyto(ids[:, :k], PAD, where=~member[:, :k])
+    equal = cand[:, :k] == sampled[:, None]
+    first = np.argmax(equal, axis=1)
+    contains = equal[np.arange(t), first] & (first < count)
+    closed = count < n
+    exact = contains & (count <= w) & np.isfinite(sampled_lp)
+    open_rows = np.flatnonzero(~closed & exact)
+    if open_rows.size:  # every candidate of such a row is a member
+        mass = np.exp(cand_lp[open_rows]).sum(axis=1, dtype=np.float64)
+        exact[open_rows] = mass >= 1.0 - mass_tolerance
     return ids, exact
 
 

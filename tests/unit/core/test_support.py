@@ -302,6 +302,66 @@ def test_capture_contract_holds_for_arbitrary_flat_data(n, width, rows):
             assert sampled in members
 
 
+def _descending_candidates(rng: np.random.Generator, t: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[t, n]`` candidates as the engine orders them (descending, -inf last) with the cases the
+    conversion distinguishes: -inf tails, ties, entries at and around the unreachable floor,
+    full rows whose mass sits just above or below the tolerance, and ids repeated in a row."""
+    from replay_plugin.core.support import DEFAULT_MASS_TOLERANCE, UNREACHABLE_LOGPROB
+
+    lp = np.sort(rng.normal(size=(t, n)).astype(np.float32) * 3, axis=1)[:, ::-1]
+    lp = lp - np.log(np.exp(lp.astype(np.float64)).sum(axis=1, keepdims=True)).astype(np.float32)
+    for i in range(t):
+        kind, k = rng.integers(6), int(rng.integers(0, n + 1))
+        if kind == 0:
+            lp[i, k:] = -np.inf
+        elif kind == 1:  # ties, then -inf
+            lp[i, k // 2 : k] = lp[i, k // 2] if k else 0.0
+            lp[i, k:] = -np.inf
+        elif kind == 2:  # entries at or just above the floor
+            lp[i, k:] = rng.choice(
+                [UNREACHABLE_LOGPROB, np.nextafter(np.float32(UNREACHABLE_LOGPROB), 0), -1e9, -np.inf]
+            )
+            lp[i] = np.sort(lp[i])[::-1]
+        elif kind == 3:  # full row, mass a hair below or above 1 - tolerance
+            lp[i] = lp[i] + np.float32(rng.choice([-2, -0.5, 0.5]) * DEFAULT_MASS_TOLERANCE)
+    ids = rng.integers(0, 50, size=(t, n)).astype(np.int32)  # repeats included
+    pick = rng.integers(0, n, size=t)
+    sampled = np.where(rng.random(t) < 0.8, ids[np.arange(t), pick], rng.integers(0, 60, size=t)).astype(np.int32)
+    sampled_lp = np.where(rng.random(t) < 0.95, lp[np.arange(t), pick], rng.choice([np.nan, -np.inf], size=t))
+    return ids, lp, sampled, sampled_lp.astype(np.float32)
+
+
+@pytest.mark.parametrize("n,width", [(1, 1), (5, 3), (8, 8), (8, 12), (37, 36)])
+def test_ordinary_rows_fast_path_equals_the_general_path(n, width):
+    """Rows without NaN, +inf or absent slots take a prefix-based path; the general path (taken
+    when ``absent`` is given, here all False: the same rows) must give the same ids and flags."""
+    from replay_plugin.core.support import (
+        DEFAULT_MASS_TOLERANCE,
+        UNREACHABLE_LOGPROB,
+        _rows_from_candidates,
+        _rows_from_ordinary_candidates,
+    )
+
+    rng = np.random.default_rng(n * 100 + width)
+    seen = set()
+    for t in (1, 7, 400):
+        cand, lp, sampled, sampled_lp = _descending_candidates(rng, t, n)
+        for floor in (UNREACHABLE_LOGPROB, NEG_INF):
+            fast = _rows_from_ordinary_candidates(cand, lp, sampled, sampled_lp, width, DEFAULT_MASS_TOLERANCE, floor)
+            assert fast is not None
+            general = _rows_from_candidates(
+                cand, lp, np.zeros_like(lp, dtype=bool), sampled, sampled_lp, width, DEFAULT_MASS_TOLERANCE, floor
+            )
+            np.testing.assert_array_equal(fast[0], general[0])
+            np.testing.assert_array_equal(fast[1], general[1])
+            seen |= set(fast[1].tolist())
+    assert seen == {True, False}
+    lp[0, -1] = np.nan  # garbage anywhere: the general path decides
+    assert _rows_from_ordinary_candidates(cand, lp, sampled, sampled_lp, width, 1e-4, UNREACHABLE_LOGPROB) is None
+    lp[0, -1] = np.inf
+    assert _rows_from_ordinary_candidates(cand, lp, sampled, sampled_lp, width, 1e-4, UNREACHABLE_LOGPROB) is None
+
+
 # --------------------------------------------------------------------------- SamplingMask
 
 
