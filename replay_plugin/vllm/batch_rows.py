@@ -20,7 +20,10 @@ where ``d_j`` is the output's distance from the carrier in the step's output lis
 (an RL job that opts every request in), vLLM slices none: the carrier is gathered from the step's
 arrays directly (see ``_pack``). The front end gives every listed output its own rows back
 before vLLM reads them, across ``AsyncLLM``'s chunking of a step's outputs
-(``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``). Outputs of requests that did not opt in are never touched
+(``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``); a captured request whose user asked no logprobs takes its
+row straight from the carrier (one copy of the carrier per step, see
+``sample_support_capture.take_row``), and the requests that finish in the step have their rows
+converted in one call (``convert_finishing``). Outputs of requests that did not opt in are never touched
 (byte for byte stock); without this patch in the engine core the rows travel per request as in
 stock vLLM, and the front end handles both. Remove when vLLM sends a step's logprob rows as one
 batch.
@@ -36,6 +39,7 @@ import numpy as np
 
 from ..patcher import Patcher
 from . import options
+from . import sample_support_capture as capture
 
 log = logging.getLogger("replay_plugin")
 
@@ -204,7 +208,7 @@ class _Pending:
     """A carrier being unpacked: its arrays, the ``(distance, start, end)`` entries not handed
     out yet, and how many outputs from the carrier on were seen (chunks continue the count)."""
 
-    __slots__ = ("lists", "entries", "seen")
+    __slots__ = ("lists", "entries", "seen", "_owned")
 
     def __init__(self, lists: Any) -> None:
         layout = lists.cu_num_generated_tokens
@@ -231,6 +235,14 @@ class _Pending:
         self.lists = lists
         self.entries = entries
         self.seen = 0
+        self._owned: tuple[np.ndarray, np.ndarray] | None = None
+
+    def owned(self) -> tuple[np.ndarray, np.ndarray]:
+        """The carrier's ids and logprobs copied once (the decoded arrays may be views of the
+        transport's buffers), for rows that outlive this step."""
+        if self._owned is None:
+            self._owned = (np.array(self.lists.logprob_token_ids), np.array(self.lists.logprobs))
+        return self._owned
 
 
 def _lost(pending: _Pending) -> None:
@@ -246,11 +258,17 @@ def _is_carrier(lists: Any) -> bool:
     return bool(layout) and layout[0] == MAGIC
 
 
-def unpack_outputs(outputs: Any, pending: _Pending | None) -> _Pending | None:
+def unpack_outputs(outputs: Any, pending: _Pending | None, take: Any = None) -> _Pending | None:
     """Give every output a carrier lists its own rows (``LogprobsLists`` views of the carrier's
     arrays), in place; returns the carrier still pending when ``outputs`` is one chunk of a step
     and its later entries are in the next chunk. A malformed carrier is dropped (logged): its
-    outputs then have no rows, and capture flags their tokens' rows inexact."""
+    outputs then have no rows, and capture flags their tokens' rows inexact.
+
+    ``take(output, ids, logprobs, row)``, when given, is offered each one-row entry first, with
+    a copy of the carrier's arrays made once per carrier: True means it kept the row (the
+    support capture of a request whose user asked no logprobs) and the output is left without
+    rows, as vLLM would leave it after the capture took them; per output one call instead of a
+    view, vLLM's logprob update and the capture's wrapper and copies."""
     for out in outputs:
         lists = out.new_logprobs
         if lists is not None and _is_carrier(lists):
@@ -269,15 +287,34 @@ def unpack_outputs(outputs: Any, pending: _Pending | None) -> _Pending | None:
         if distance == pending.seen:
             pending.entries.popleft()
             rows = pending.lists
-            out.new_logprobs = type(rows)(
-                rows.logprob_token_ids[start:end], rows.logprobs[start:end], rows.sampled_token_ranks[start:end], None
-            )
+            if take is not None and end - start == 1 and take(out, *pending.owned(), start):
+                out.new_logprobs = None
+            else:
+                out.new_logprobs = type(rows)(
+                    rows.logprob_token_ids[start:end],
+                    rows.logprobs[start:end],
+                    rows.sampled_token_ranks[start:end],
+                    None,
+                )
             _stats["unpacked"] += 1
             if not pending.entries:
                 pending = None
                 continue
         pending.seen += 1
     return pending
+
+
+def _taker(states: dict) -> Any:
+    """``take`` for :func:`unpack_outputs` over ``states`` (vLLM's
+    ``OutputProcessor.request_states``): the support capture of the output's request keeps a
+    one-row entry itself when that request's user asked no logprobs
+    (``sample_support_capture.take_row``)."""
+
+    def take(out: Any, ids: Any, logprobs: Any, row: int) -> bool:
+        state = states.get(out.request_id)
+        return state is not None and capture.take_row(state.logprobs_processor, ids, logprobs, row)
+
+    return take
 
 
 def _unpack(wrapped, instance, args, kwargs):
@@ -292,13 +329,20 @@ def _unpack(wrapped, instance, args, kwargs):
     if pending is not None and stamp != pending_stamp:
         _lost(pending)
         pending = None
+    states = getattr(instance, "request_states", None)
+    states = states if isinstance(states, dict) else None
     # AsyncLLM passes numpy object arrays (np.array_split chunks): no truth value, only len()
     if outputs is not None and len(outputs):
         try:
-            pending = unpack_outputs(outputs, pending)
+            pending = unpack_outputs(outputs, pending, _taker(states) if states is not None else None)
         except Exception:
             log.exception("replay_plugin: vllm.batch_rows: could not unpack batched support rows")
             pending = None
         if pending is not None:
             instance.__dict__[_PENDING] = (pending, stamp)
+        if states is not None:
+            try:
+                capture.convert_finishing(outputs, states)
+            except Exception:  # the rows stay pending: each request converts its own
+                log.exception("replay_plugin: vllm.batch_rows: could not convert finishing requests' rows together")
     return wrapped(*args, **kwargs)

@@ -37,6 +37,8 @@ OUTPUT_ATTR = "sample_support"
 #: The ``CompletionOutput`` attribute with the reason the engine core refused the request.
 REFUSED_ATTR = "_replay_plugin_refused"
 _CAPTURE_ATTR = "_replay_plugin_capture"
+#: Shared step references a request keeps before copying its rows (see ``_Capture``).
+_COMPACT_AT = 64
 
 
 def sample_support(output: Any) -> SupportRows | None:
@@ -156,18 +158,25 @@ class _RowBuffer:
 
 
 class _Capture:
-    """Per request (per child of ``n > 1``): the logprob arrays not converted yet and the
+    """Per request (per child of ``n > 1``): the logprob rows not converted yet and the
     converted rows. ``DELTA`` outputs take the rows not handed out yet; other output kinds
     (``CUMULATIVE``, ``FINAL_ONLY``) view the first ``n`` rows. ``checked`` counts the rows
-    already compared with the output's tokens (each row is compared once)."""
+    already compared with the output's tokens (each row is compared once).
 
-    __slots__ = ("width", "native", "_ids", "_lps", "buffer", "_handed", "checked", "_sampled_lp")
+    Rows not converted yet are ``(ids, logprobs, start, stop)``: rows ``start:stop`` of a pair
+    of ``[positions, N+1]`` arrays, either the request's own copy (:meth:`add`) or one engine
+    step's arrays shared by every request of the step (:meth:`add_shared`, from a batch of
+    ``vllm.batch_rows``: one copy per step instead of two per request). A request keeps at most
+    ``_COMPACT_AT`` shared references: then its rows are copied into arrays of its own, so a
+    long request never keeps more than that many steps' arrays alive."""
+
+    __slots__ = ("width", "native", "_pending", "_loose", "buffer", "_handed", "checked", "_sampled_lp")
 
     def __init__(self, width: int, native: bool) -> None:
         self.width = width
         self.native = native
-        self._ids: list[np.ndarray] = []
-        self._lps: list[np.ndarray] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, int, int]] = []
+        self._loose = 0  # entries appended since the last compaction
         self.buffer = _RowBuffer(width)
         self._handed = 0
         self.checked = 0
@@ -179,25 +188,60 @@ class _Capture:
         if self.native:
             self._sampled_lp.append(np.array(logprobs[:, 0], dtype=np.float32))
         else:
-            self._ids.append(np.array(ids))
-            self._lps.append(np.array(logprobs))
+            self._pending.append((np.array(ids), np.array(logprobs), 0, ids.shape[0]))
+            self._loose += 1
+
+    def add_shared(self, ids: np.ndarray, logprobs: np.ndarray, row: int) -> None:
+        """Row ``row`` of a step's arrays that other requests share (not copied, not changed)."""
+        if self.native:
+            self._sampled_lp.append(np.array(logprobs[row : row + 1, 0], dtype=np.float32))
+            return
+        self._pending.append((ids, logprobs, row, row + 1))
+        self._loose += 1
+        if self._loose >= _COMPACT_AT:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The entries since the last compaction copied into one pair of arrays of this request
+        (each row is copied once: earlier chunks are left as they are)."""
+        tail = self._pending[-self._loose :]
+        if any(a.shape[1] != tail[0][0].shape[1] for a, _, _, _ in tail):
+            self._convert()  # the step's largest ``logprobs`` changed: convert instead
+            return
+        a = np.concatenate([a[s:e] for a, _, s, e in tail])
+        b = np.concatenate([b[s:e] for _, b, s, e in tail])
+        self._pending[-self._loose :] = [(a, b, 0, a.shape[0])]
+        self._loose = 0
+
+    def parts(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The rows not converted yet, as views, in order."""
+        return [a[s:e] for a, _, s, e in self._pending], [b[s:e] for _, b, s, e in self._pending]
+
+    def take_converted(self, rows: SupportRows) -> None:
+        """``rows`` converted from :meth:`parts` (by :func:`convert_finishing`, with other requests')."""
+        self._pending = []
+        self._loose = 0
+        self.buffer.append(rows)
 
     def _convert(self) -> None:
         """Pending arrays -> rows, once, vectorised over every step since the last output (one
         row, the common case of streamed outputs, takes a scalar path that is ~6x faster)."""
-        if not self._ids:
+        pending = self._pending
+        if not pending:
             return
-        if len(self._ids) == 1 and self._ids[0].shape[0] == 1:
-            row = _one_row(self._ids[0][0], self._lps[0][0], self.width)
-            if row is not None:
-                self._ids, self._lps = [], []
-                _count(1, 0 if row[3] else 1, self.width)
-                self.buffer.append_row(*row)
+        if len(pending) == 1 and pending[0][3] - pending[0][2] == 1:
+            ids, lps, row, _ = pending[0]
+            one = _one_row(ids[row], lps[row], self.width)
+            if one is not None:
+                self._pending = []
+                self._loose = 0
+                _count(1, 0 if one[3] else 1, self.width)
+                self.buffer.append_row(*one)
                 return
-        new = _rows_from_arrays(self._ids, self._lps, self.width)
-        self._ids, self._lps = [], []
+        ids_parts, lps_parts = self.parts()
+        new = _rows_from_arrays(ids_parts, lps_parts, self.width)
         _count_rows(new)
-        self.buffer.append(new)
+        self.take_converted(new)
 
     def span(self, n: int, delta: bool) -> tuple[int, int]:
         """The buffer range of an output's rows: ``delta``, the next ``n`` rows not handed out
@@ -271,6 +315,52 @@ def _rows_from_arrays(ids: list[np.ndarray], lps: list[np.ndarray], width: int) 
         "logprobs": np.concatenate([b.reshape(-1) for b in lps]),
     }
     return support_from_flat_logprobs(flat, width)
+
+
+def convert_finishing(outputs: Any, states: dict) -> None:
+    """The rows of the step's captured requests that finish now (``outputs``: vLLM's
+    ``EngineCoreOutput`` list of one step, ``states`` its ``OutputProcessor.request_states``)
+    converted in one call per row width before vLLM builds their outputs. An RL batch finishes
+    its requests together, and one conversion of all their rows costs a fraction of one per
+    request (numpy's per-call cost dominates at a request's few hundred rows). Requests left
+    out convert their own rows when their output is built, as always."""
+    groups: dict[tuple[int, int], list[_Capture]] = {}
+    for out in outputs:
+        if out.finish_reason is None:
+            continue
+        state = states.get(out.request_id)
+        processor = getattr(state, "logprobs_processor", None)
+        capture = processor.__dict__.get(_CAPTURE_ATTR) if processor is not None else None
+        if capture is None or capture.native or not capture._pending:
+            continue
+        columns = {a.shape[1] for a, _, _, _ in capture._pending}
+        if len(columns) == 1:
+            groups.setdefault((capture.width, columns.pop()), []).append(capture)
+    for (width, _), captures in groups.items():
+        if len(captures) < 2:
+            continue
+        ids_parts: list[np.ndarray] = []
+        lps_parts: list[np.ndarray] = []
+        counts = []
+        for capture in captures:
+            a, b = capture.parts()
+            ids_parts += a
+            lps_parts += b
+            counts.append(sum(x.shape[0] for x in a))
+        rows = _rows_from_arrays(ids_parts, lps_parts, width)
+        start = 0
+        for capture, n in zip(captures, counts):
+            stop = start + n
+            capture.take_converted(
+                _rows_unchecked(
+                    rows.ids[start:stop],
+                    rows.sampled[start:stop],
+                    rows.sampled_logprob[start:stop],
+                    rows.exact[start:stop],
+                )
+            )
+            start = stop
+        _count_rows(rows)
 
 
 def _one_row(ids: np.ndarray, logprobs: np.ndarray, width: int) -> tuple[list[int], int, float, bool] | None:
@@ -432,6 +522,19 @@ def _capture_step(wrapped, instance, args, kwargs):
     if user != -1 and ids.shape[1] > user + 1:
         lists = type(lists)(ids[:, : user + 1], lps[:, : user + 1], *tuple(lists)[2:])
     return wrapped(lists)
+
+
+def take_row(processor: Any, ids: np.ndarray, logprobs: np.ndarray, row: int) -> bool:
+    """What :func:`_capture_step` does with an output's one row when the request's user asked no
+    logprobs (keep it; vLLM gets none), for ``vllm.batch_rows``'s front end: ``ids`` and
+    ``logprobs`` are one engine step's arrays, shared by the step's requests (row ``row`` is
+    this request's). False (nothing done) when the request is not captured or its user wants
+    logprob rows: the output then gets its rows as before."""
+    capture = processor.__dict__.get(_CAPTURE_ATTR) if processor is not None else None
+    if capture is None or processor.num_logprobs is not None:
+        return False
+    capture.add_shared(ids, logprobs, row)
+    return True
 
 
 def _attach(wrapped, instance, args, kwargs):

@@ -138,3 +138,87 @@ def test_rows_captured_for_other_tokens_are_emptied_and_flagged():
     # a token without any captured row gets an empty, inexact one
     rows = capture._output_rows(state, types.SimpleNamespace(token_ids=[int(ids[0, 0]), wrong, 7]), False)
     assert len(rows) == 3 and rows.sampled[2] == 7 and not rows.exact[2]
+
+
+def _shared_steps(rng, steps: int, batch: int, width: int = 8) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One engine step's ``[batch, width + 1]`` arrays per step (row ``j`` is request ``j``'s)."""
+    out = []
+    for _ in range(steps):
+        rows = [_steps(rng, 1, width)[0] for _ in range(batch)]
+        out.append((np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])))
+    return out
+
+
+def test_shared_step_rows_convert_as_own_copies_and_are_released():
+    """Rows kept as references into a step's shared arrays (``add_shared``, the batched front
+    end) give the same rows as per-request copies; a request holds at most ``_COMPACT_AT``
+    steps' arrays (then copies its rows), however long it runs, and copies each row once."""
+    import weakref
+
+    rng = np.random.default_rng(4)
+    steps = _shared_steps(rng, 3 * capture._COMPACT_AT + 5, batch=3)
+    shared = [capture._Capture(8, native=False) for _ in range(3)]
+    owned = [capture._Capture(8, native=False) for _ in range(3)]
+    alive = []
+    for ids, lps in steps:
+        for j in range(3):
+            shared[j].add_shared(ids, lps, j)
+            owned[j].add(ids[j : j + 1], lps[j : j + 1])
+        alive.append(weakref.ref(ids))
+    del ids, lps
+    steps.clear()
+    still = sum(ref() is not None for ref in alive)
+    assert 0 < still < capture._COMPACT_AT  # only the steps since the last compaction
+    assert len(shared[0]._pending) == 3 + 5  # three compacted chunks, then the loose rows
+    assert [e[3] - e[2] for e in shared[0]._pending[:3]] == [capture._COMPACT_AT] * 3
+    n = 3 * capture._COMPACT_AT + 5
+    for a, b in zip(shared, owned):
+        a._convert()
+        b._convert()
+        x, y = a.buffer.view(0, n), b.buffer.view(0, n)
+        assert a.buffer.size == n == b.buffer.size
+        for name in ("ids", "sampled", "sampled_logprob", "exact"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name))
+
+
+def test_requests_finishing_together_convert_in_one_call(monkeypatch):
+    """``convert_finishing``: the captured requests that finish in a step convert together, each
+    getting exactly the rows it would convert alone; requests still running, other widths,
+    native captures and requests without a capture are left as they were; stats count once."""
+    rng = np.random.default_rng(5)
+    steps = _shared_steps(rng, 20, batch=4)
+    caps = [capture._Capture(8, native=False) for _ in range(3)] + [capture._Capture(8, native=True)]
+    alone = [capture._Capture(8, native=False) for _ in range(3)]
+    for ids, lps in steps:
+        for j, cap in enumerate(caps):
+            cap.add_shared(ids, lps, j)
+        for j, cap in enumerate(alone):
+            cap.add_shared(ids, lps, j)
+    calls = []
+    real = capture._rows_from_arrays
+    monkeypatch.setattr(capture, "_rows_from_arrays", lambda *a: calls.append(len(a[0])) or real(*a))
+
+    def processor(cap):
+        return types.SimpleNamespace(**{capture._CAPTURE_ATTR: cap})
+
+    states = {f"r{j}": types.SimpleNamespace(logprobs_processor=processor(c)) for j, c in enumerate(caps)}
+    states["plain"] = types.SimpleNamespace(logprobs_processor=types.SimpleNamespace())
+    outputs = [
+        types.SimpleNamespace(request_id="r0", finish_reason="length"),
+        types.SimpleNamespace(request_id="r1", finish_reason=None),  # still running
+        types.SimpleNamespace(request_id="r2", finish_reason="stop"),
+        types.SimpleNamespace(request_id="r3", finish_reason="length"),  # native
+        types.SimpleNamespace(request_id="plain", finish_reason="length"),
+        types.SimpleNamespace(request_id="gone", finish_reason="length"),
+    ]
+    before = capture.capture_stats()["rows"]
+    capture.convert_finishing(outputs, states)
+    assert len(calls) == 1 and calls[0] > 2  # one call for r0 and r2 together
+    assert capture.capture_stats()["rows"] - before == 40
+    assert not caps[0]._pending and not caps[2]._pending and len(caps[1]._pending) == 20
+    for j in (0, 2):
+        alone[j]._convert()
+        for name in ("ids", "sampled", "sampled_logprob", "exact"):
+            np.testing.assert_array_equal(
+                getattr(caps[j].buffer.view(0, 20), name), getattr(alone[j].buffer.view(0, 20), name)
+            )

@@ -111,6 +111,42 @@ def test_rows_travel_in_one_batch_and_come_back_per_output(chunk):
     _same(_rows(received), before)
 
 
+@pytest.mark.parametrize("chunk", [2, 6])
+def test_captured_rows_are_taken_from_the_carrier_once_per_step(chunk):
+    """The front end's ``take``: an output whose request the capture keeps itself (its user
+    asked no logprobs) gets no rows (vLLM then has nothing to process for it) and the capture
+    gets row ``i`` of one copy of the carrier's arrays, made once for the whole carrier (not a
+    view of the transport's buffer); the others get their views as before."""
+    from replay_plugin.vllm.batch_rows import pack_outputs, unpack_outputs
+
+    outputs, requests = _step()
+    before = _rows(outputs)
+    assert pack_outputs(outputs, requests)
+    received = _wire(outputs)
+    carrier = received[0].new_logprobs
+    taken = {}
+
+    def take(out, ids, logprobs, row):
+        if out.request_id == "r2":
+            return False  # e.g. a request whose user asked logprobs too: it keeps its view
+        taken[out.request_id] = (ids, logprobs, row)
+        return True
+
+    pending = None
+    for start in range(0, len(received), chunk):
+        pending = unpack_outputs(received[start : start + chunk], pending, take)
+    assert pending is None and set(taken) == {"r0", "r3"}
+    arrays = {id(ids) for ids, _, _ in taken.values()}
+    assert len(arrays) == 1  # one copy per carrier
+    for name, (ids, logprobs, row) in taken.items():
+        i = int(name[1:])
+        assert not np.shares_memory(ids, carrier.logprob_token_ids)
+        assert np.array_equal(ids[row], before[i][0][0]) and np.array_equal(logprobs[row], before[i][1][0])
+        assert received[i].new_logprobs is None
+    _same(_rows(received)[2:3], before[2:3])  # not taken: its own view
+    assert received[1].new_logprobs is not None  # the plain request: untouched
+
+
 def test_an_output_without_rows_travels_on_its_own():
     from replay_plugin.vllm.batch_rows import pack_outputs, unpack_outputs
 
