@@ -16,8 +16,9 @@ runner the supported versions use.
 Two modules do the work: ``sample_support_admission`` (engine fitting, per-request plan or
 refusal) and ``sample_support_capture`` (logprob rows -> support rows on the outputs, in
 ``O(new tokens)`` per output whatever the output kind; an engine core's refusal raised to the
-caller). ``batch_rows.unpack_outputs`` gives each output its rows back when the engine core's
-``vllm.batch_rows`` sent a step's rows in one batch.
+caller), with ``sample_support_log`` (one front-end log of step rows for the requests that
+read their rows once, at the end). ``batch_rows.unpack_outputs`` gives each output its rows
+back when the engine core's ``vllm.batch_rows`` sent a step's rows in one batch.
 """
 
 from __future__ import annotations

@@ -168,9 +168,13 @@ class _Capture:
     step's arrays shared by every request of the step (:meth:`add_shared`, from a batch of
     ``vllm.batch_rows``: one copy per step instead of two per request). A request keeps at most
     ``_COMPACT_AT`` shared references: then its rows are copied into arrays of its own, so a
-    long request never keeps more than that many steps' arrays alive."""
+    long request never keeps more than that many steps' arrays alive.
 
-    __slots__ = ("width", "native", "_pending", "_loose", "buffer", "_handed", "checked", "_sampled_lp")
+    A capture the front end's ``sample_support_log.RowLog`` took in (``log`` set, ``slot`` its
+    number there) keeps no rows itself: every row it gets goes to the log, and it reads them
+    back from the log when it converts (then the log forgets it)."""
+
+    __slots__ = ("width", "native", "_pending", "_loose", "buffer", "_handed", "checked", "_sampled_lp", "log", "slot")
 
     def __init__(self, width: int, native: bool) -> None:
         self.width = width
@@ -181,12 +185,16 @@ class _Capture:
         self._handed = 0
         self.checked = 0
         self._sampled_lp: list[np.ndarray] = []
+        self.log: Any = None
+        self.slot = -1
 
     def add(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
         # Copies: vLLM's arrays are views of the whole batch's step arrays, which a long request
         # would otherwise keep alive for every step.
         if self.native:
             self._sampled_lp.append(np.array(logprobs[:, 0], dtype=np.float32))
+        elif self.log is not None:
+            self.log.append_rows(self.slot, np.array(ids), np.array(logprobs))
         else:
             self._pending.append((np.array(ids), np.array(logprobs), 0, ids.shape[0]))
             self._loose += 1
@@ -195,6 +203,9 @@ class _Capture:
         """Row ``row`` of a step's arrays that other requests share (not copied, not changed)."""
         if self.native:
             self._sampled_lp.append(np.array(logprobs[row : row + 1, 0], dtype=np.float32))
+            return
+        if self.log is not None:
+            self.log.append_rows(self.slot, ids[row : row + 1], logprobs[row : row + 1])
             return
         self._pending.append((ids, logprobs, row, row + 1))
         self._loose += 1
@@ -215,10 +226,14 @@ class _Capture:
 
     def parts(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """The rows not converted yet, as views, in order."""
+        if self.log is not None:
+            return self.log.parts(self.slot)
         return [a[s:e] for a, _, s, e in self._pending], [b[s:e] for _, b, s, e in self._pending]
 
     def take_converted(self, rows: SupportRows) -> None:
         """``rows`` converted from :meth:`parts` (by :func:`convert_finishing`, with other requests')."""
+        if self.log is not None:
+            self.log.release(self.slot)
         self._pending = []
         self._loose = 0
         self.buffer.append(rows)
@@ -226,6 +241,15 @@ class _Capture:
     def _convert(self) -> None:
         """Pending arrays -> rows, once, vectorised over every step since the last output (one
         row, the common case of streamed outputs, takes a scalar path that is ~6x faster)."""
+        if self.log is not None:
+            ids_parts, lps_parts = self.parts()
+            if not ids_parts:
+                self.log.release(self.slot)
+                return
+            new = _rows_from_arrays(ids_parts, lps_parts, self.width)
+            _count_rows(new)
+            self.take_converted(new)
+            return
         pending = self._pending
         if not pending:
             return
@@ -324,14 +348,22 @@ def convert_finishing(outputs: Any, states: dict) -> None:
     its requests together, and one conversion of all their rows costs a fraction of one per
     request (numpy's per-call cost dominates at a request's few hundred rows). Requests left
     out convert their own rows when their output is built, as always."""
+    reasons = [out.finish_reason for out in outputs]
+    if reasons.count(None) == len(reasons):
+        return  # most steps: nothing finishes (FinishReason.STOP is 0: compare with None)
     groups: dict[tuple[int, int], list[_Capture]] = {}
-    for out in outputs:
-        if out.finish_reason is None:
+    for out, reason in zip(outputs, reasons):
+        if reason is None:
             continue
         state = states.get(out.request_id)
         processor = getattr(state, "logprobs_processor", None)
         capture = processor.__dict__.get(_CAPTURE_ATTR) if processor is not None else None
-        if capture is None or capture.native or not capture._pending:
+        if capture is None or capture.native:
+            continue
+        if capture.log is not None:  # its rows are in the front end's log: any widths
+            groups.setdefault((capture.width, -1), []).append(capture)
+            continue
+        if not capture._pending:
             continue
         columns = {a.shape[1] for a, _, _, _ in capture._pending}
         if len(columns) == 1:
@@ -347,6 +379,8 @@ def convert_finishing(outputs: Any, states: dict) -> None:
             ids_parts += a
             lps_parts += b
             counts.append(sum(x.shape[0] for x in a))
+        if not ids_parts:
+            continue  # no rows at all: each converts (to nothing) on its own
         rows = _rows_from_arrays(ids_parts, lps_parts, width)
         start = 0
         for capture, n in zip(captures, counts):
@@ -524,6 +558,32 @@ def _capture_step(wrapped, instance, args, kwargs):
     return wrapped(lists)
 
 
+_final_only: Any = None
+
+
+def loggable(state: Any) -> _Capture | None:
+    """The capture of a request (vLLM's ``RequestState``) that can keep its rows in the front
+    end's ``RowLog``: processed rows (not native), the user asked no logprobs, the output kind
+    is ``FINAL_ONLY`` (rows read once, at the end) and it has no rows of its own yet."""
+    global _final_only
+    processor = getattr(state, "logprobs_processor", None)
+    capture = processor.__dict__.get(_CAPTURE_ATTR) if processor is not None else None
+    if (
+        capture is None
+        or capture.native
+        or capture.log is not None
+        or processor.num_logprobs is not None
+        or capture._pending
+        or capture.buffer.size
+    ):
+        return None
+    if _final_only is None:
+        from vllm.sampling_params import RequestOutputKind
+
+        _final_only = RequestOutputKind.FINAL_ONLY
+    return capture if getattr(state, "output_kind", None) == _final_only else None
+
+
 def take_row(processor: Any, ids: np.ndarray, logprobs: np.ndarray, row: int) -> bool:
     """What :func:`_capture_step` does with an output's one row when the request's user asked no
     logprobs (keep it; vLLM gets none), for ``vllm.batch_rows``'s front end: ``ids`` and
@@ -533,7 +593,14 @@ def take_row(processor: Any, ids: np.ndarray, logprobs: np.ndarray, row: int) ->
     capture = processor.__dict__.get(_CAPTURE_ATTR) if processor is not None else None
     if capture is None or processor.num_logprobs is not None:
         return False
-    capture.add_shared(ids, logprobs, row)
+    if capture.native or capture.log is not None:
+        capture.add_shared(ids, logprobs, row)
+        return True
+    # add_shared's common case inlined: this runs for every captured request on every step
+    capture._pending.append((ids, logprobs, row, row + 1))
+    capture._loose += 1
+    if capture._loose >= _COMPACT_AT:
+        capture._compact()
     return True
 
 

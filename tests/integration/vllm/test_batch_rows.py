@@ -258,3 +258,157 @@ def test_a_step_whose_rows_are_all_planned_is_gathered_without_vllms_slices():
     gather_outputs(one, batch, index, wanted)  # a lone output: its own slice, no carrier
     assert one[0].new_logprobs.cu_num_generated_tokens is None
     assert np.array_equal(one[0].new_logprobs.logprobs, batch.logprobs[3:4])
+
+
+def _support_rows(rng, n: int, columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[n, columns]`` rows as vLLM's processed top-N gives them: the sampled token, then
+    descending logprobs: a normalised head and ``-inf`` after it (exact rows), or, one row in
+    four, a support wider than the row (no ``-inf``, mass below 1: inexact rows)."""
+    ids = np.empty((n, columns), dtype=np.int32)
+    lps = np.full((n, columns), -np.inf, dtype=np.float32)
+    for r in range(n):
+        wide = rng.random() < 0.25
+        k = columns - 1 if wide else int(rng.integers(1, columns))
+        z = np.sort(rng.normal(size=k + 4 if wide else k))[::-1]
+        lp = (z - z.max() - np.log(np.exp(z - z.max()).sum())).astype(np.float32)[:k]
+        ids[r, 1:] = rng.choice(500, size=columns - 1, replace=False)
+        lps[r, 1 : k + 1] = lp
+        pick = int(rng.integers(k))
+        ids[r, 0], lps[r, 0] = ids[r, 1 + pick], lp[pick]
+    return ids, lps
+
+
+def test_runs_of_one_row_each_travel_as_two_ints_and_come_back_per_output():
+    """An RL step (every output wanted, one token each) is a *run*: the layout is
+    ``[MAGIC_RUN, n]`` instead of ``2n + 1`` ints, from ``gather_outputs`` and ``pack_outputs``
+    alike, and the front end gives each output its rows back, across any chunking."""
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.outputs import LogprobsLists
+
+    from replay_plugin.vllm.batch_rows import MAGIC_RUN, gather_outputs, pack_outputs, unpack_outputs
+
+    rng = np.random.default_rng(11)
+    ids, lps = _support_rows(rng, 5, W + 1)
+    lists = LogprobsLists(ids, lps, rng.integers(0, 9, 5).astype(np.int64))
+    index = {f"r{i}": (i * 3) % 5 for i in range(5)}  # the runner's batch order differs
+    for chunk in (1, 2, 4, 5):
+        outputs = [EngineCoreOutput(request_id=f"r{i}", new_token_ids=[1]) for i in range(5)]
+        gather_outputs(outputs, lists, index, set(index))
+        assert outputs[0].new_logprobs.cu_num_generated_tokens == [MAGIC_RUN, 5]
+        received, pending = _wire(outputs), None
+        for start in range(0, 5, chunk):
+            pending = unpack_outputs(received[start : start + chunk], pending)
+        assert pending is None
+        _same(
+            _rows(received),
+            [tuple(np.array(a) for a in tuple(lists.slice_request(index[f"r{i}"], 1))[:3]) for i in range(5)],
+        )
+
+    outputs, requests = _step()
+    outputs = [outputs[i] for i in (0, 2, 3)]  # consecutive planned outputs with rows
+    before = _rows(outputs)
+    assert pack_outputs(outputs, requests)
+    assert outputs[0].new_logprobs.cu_num_generated_tokens == [MAGIC_RUN, 3]
+    received = _wire(outputs)
+    assert unpack_outputs(received, None) is None
+    _same(_rows(received), before)
+
+    bad = _wire(outputs)
+    bad[0].new_logprobs = bad[0].new_logprobs._replace(cu_num_generated_tokens=[MAGIC_RUN, 4])  # 3 rows sent
+    assert unpack_outputs(bad, None) is None and all(o.new_logprobs is None for o in bad)  # dropped, never wrong
+
+
+def test_the_front_end_log_keeps_each_final_only_request_exactly_its_rows(monkeypatch):
+    """Captured ``FINAL_ONLY`` requests whose users asked no logprobs keep their rows in the
+    front end's ``RowLog`` (one block per step, folded every ``FOLD_AT`` steps) instead of per
+    request; each converts to exactly the rows of the per-request path, across folds, a change
+    of row width, rows reaching a request outside a run, an aborted request (dropped at the next
+    fold) replaced by a new one in the same step, runs split by ``AsyncLLM``'s chunks, and
+    requests finishing at different steps. A
+    streamed (``DELTA``) request and one whose user asked logprobs are left to the per-request
+    path / vLLM. The log holds at most
+    ``FOLD_AT`` steps beyond the live requests' rows (and dead rows up to as many as live ones,
+    in chunks not yet rebuilt) and is empty when they are done."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    from replay_plugin.vllm import sample_support_capture as capture
+    from replay_plugin.vllm import sample_support_log
+    from replay_plugin.vllm.batch_rows import _taker, gather_outputs, unpack_outputs
+    from replay_plugin.vllm.sample_support_log import FOLD_AT, RowLog
+
+    monkeypatch.setattr(sample_support_log, "MERGE_AT", 3)  # merge chunks in this short run too
+    folds = []
+    real_fold = RowLog.fold
+    monkeypatch.setattr(RowLog, "fold", lambda self: folds.append(1) or real_fold(self))
+
+    width = W + 2
+    kinds = {f"r{i}": RequestOutputKind.FINAL_ONLY for i in range(6)}
+    kinds["r4"] = RequestOutputKind.DELTA
+    states, reference, caps = {}, {}, {}
+
+    def admit(rid, kind):
+        processor = LogprobsProcessor(
+            tokenizer=None, logprobs=None, prompt_logprobs=None, cumulative_logprob=None,
+            num_logprobs=2 if rid == "r5" else None, num_prompt_logprobs=None,
+        )  # fmt: skip
+        caps[rid] = processor.__dict__[capture._CAPTURE_ATTR] = capture._Capture(width, native=False)
+        states[rid] = types.SimpleNamespace(logprobs_processor=processor, output_kind=kind)
+        reference[rid] = capture._Capture(width, native=False)
+
+    for rid, kind in kinds.items():
+        admit(rid, kind)
+    log = RowLog(capture.loggable)
+    take = _taker(states)
+    rng = np.random.default_rng(12)
+    running = list(kinds)
+    steps = 2 * FOLD_AT + 30
+    for step in range(steps):
+        columns = W + 1 if step < 100 else W + 3  # the step's largest ``logprobs`` grew
+        ids, lps = _support_rows(rng, len(running), columns)
+        for j, rid in enumerate(running):
+            reference[rid].add(ids[j : j + 1], lps[j : j + 1])
+        if step == 40:  # rows reaching each request on its own (no batch): vLLM's own path
+            for j, rid in enumerate(running):
+                caps[rid].add(ids[j : j + 1], lps[j : j + 1])
+        else:
+            lists = LogprobsLists(ids, lps, np.zeros(len(running), dtype=np.int64))
+            outputs = [EngineCoreOutput(request_id=rid, new_token_ids=[1]) for rid in running]
+            gather_outputs(outputs, lists, {rid: j for j, rid in enumerate(running)}, set(running))
+            received, pending = _wire(outputs), None
+            chunk = (1, 2, 3, len(received))[step % 4]  # AsyncLLM's chunks split some runs
+            for start in range(0, len(received), chunk):
+                pending = unpack_outputs(received[start : start + chunk], pending, take, log, states)
+            assert pending is None
+            for out in received:
+                # taken by the log or the per-request capture; r5's user asked logprobs: its view
+                assert (out.new_logprobs is not None) == (out.request_id == "r5")
+        assert len(log.blocks) < FOLD_AT
+        if step == 70:  # aborted (vLLM drops its state, nothing converts it); r6 takes its place
+            running[running.index("r3")] = "r6"
+            del states["r3"]
+            admit("r6", RequestOutputKind.FINAL_ONLY)
+        if step == 100:  # finished alone: converts its own rows from the log
+            caps["r2"]._convert()
+            running.remove("r2")
+            del states["r2"]
+    assert set(log.captures) == {caps[r].slot for r in ("r0", "r1", "r6")}  # r3 pruned, r2 released
+    # r3's rows folded before it left are counted dead (a chunk is rebuilt once half dead);
+    # later folds do not keep them
+    assert sum(c.dead for c in log.chunks) > 0 and caps["r3"].slot not in log.chunks[-1].slots
+    assert len(folds) > sample_support_log.MERGE_AT >= len(log.chunks)  # chunks were merged
+    assert caps["r4"].log is None and caps["r5"].log is None and caps["r0"]._pending == []
+    finishing = [EngineCoreOutput(request_id=r, new_token_ids=[1], finish_reason=1) for r in ("r0", "r1", "r4", "r6")]
+    capture.convert_finishing(finishing, states)
+    assert len(log) == 0 and not log.captures  # nothing live: nothing held
+    for rid, n in (("r0", steps), ("r1", steps), ("r2", 101), ("r4", steps), ("r6", steps - 71)):
+        caps[rid]._convert()
+        reference[rid]._convert()
+        a, b = caps[rid].buffer, reference[rid].buffer
+        assert a.size == b.size == n
+        x, y = a.view(0, a.size), b.view(0, b.size)
+        for name in ("ids", "sampled", "sampled_logprob", "exact"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=f"{rid} {name}")
+        assert x.exact.any() and not x.exact.all()  # real rows of both kinds were compared
