@@ -171,17 +171,18 @@ def _wanted_rows(scheduler_output: Any, requests: dict, memo: dict | None = None
     last = memo.get(_LAST_WANTED) if memo is not None else None
     if last is not None and last[0] == current:  # identity first: no request's __eq__ runs
         return last[1]
-    wanted: set | None = set()
+    wanted: set = set()
+    answer: set | None = wanted
     for req_id, request in zip(scheduled, current):
         kind = _kind(getattr(request, "sampling_params", None))
         if kind == _BATCHED:
             wanted.add(req_id)
         elif kind == _OWN_ROWS:
-            wanted = None
+            answer = None
             break
     if memo is not None:
-        memo[_LAST_WANTED] = (current, wanted)
-    return wanted
+        memo[_LAST_WANTED] = (current, answer)
+    return answer
 
 
 def gather_outputs(outputs: list, lists: Any, index: dict, wanted: set) -> None:
@@ -190,17 +191,17 @@ def gather_outputs(outputs: list, lists: Any, index: dict, wanted: set) -> None:
     carrier gathered with one fancy index per array when there are two or more with rows."""
     rids = [out.request_id for out in outputs]
     if len(rids) > 1 and wanted.issuperset(rids):
-        at = list(map(index.get, rids))
-        if None not in at and [len(out.new_token_ids) for out in outputs].count(1) == len(at):
+        positions = list(map(index.get, rids))
+        if None not in positions and [len(out.new_token_ids) for out in outputs].count(1) == len(positions):
             # every output wanted, one token each (an RL step): a run, no per-output bookkeeping
-            take = np.asarray(at, dtype=np.intp)
+            take = np.asarray(positions, dtype=np.intp)
             outputs[0].new_logprobs = type(lists)(
                 lists.logprob_token_ids[take],
                 lists.logprobs[take],
                 lists.sampled_token_ranks[take],
-                [MAGIC_RUN, len(at)],
+                [MAGIC_RUN, len(positions)],
             )
-            _stats["packed"] += len(at)
+            _stats["packed"] += len(positions)
             return
     picked: list[int] = []
     rows: list[int] = []
@@ -427,35 +428,38 @@ def unpack_outputs(
     rows, as vLLM would leave it after the capture took them; per output one call instead of a
     view, vLLM's logprob update and the capture's wrapper and copies."""
     i, count = 0, len(outputs)
-    if isinstance(pending, _Run):  # the rest of a run from the previous chunk
-        i = _take_run(outputs, 0, pending, take, row_log, states)
-        pending = pending if pending.next < pending.n else None
+    run = pending if isinstance(pending, _Run) else None
+    entries = pending if isinstance(pending, _Pending) else None
+    if run is not None:  # the rest of a run from the previous chunk
+        i = _take_run(outputs, 0, run, take, row_log, states)
+        run = run if run.next < run.n else None
     while i < count:
         out = outputs[i]
         i += 1
         lists = out.new_logprobs
         if lists is not None and _is_carrier(lists):
-            if pending is not None:
-                _lost(pending)
+            for left in (run, entries):
+                if left is not None:
+                    _lost(left)
+            entries = None
             run = _run_of(lists) if take is not None else None
             if run is not None:
                 i += _take_run(outputs, i - 1, run, take, row_log, states) - 1
-                pending = run if run.next < run.n else None
+                run = run if run.next < run.n else None
                 continue
             try:
-                pending = _Pending(lists)
+                entries = _Pending(lists)
             except ValueError as exc:
                 log.error("replay_plugin: vllm.batch_rows: dropped a batch of support rows: %s", exc)
                 out.new_logprobs = None
-                pending = None
                 continue
-        if pending is None:
+        if entries is None:
             continue
-        distance, start, end = pending.entries[0]
-        if distance == pending.seen:
-            pending.entries.popleft()
-            rows = pending.lists
-            if take is not None and end - start == 1 and take(out, *pending.owned(), start):
+        distance, start, end = entries.entries[0]
+        if distance == entries.seen:
+            entries.entries.popleft()
+            rows = entries.lists
+            if take is not None and end - start == 1 and take(out, *entries.owned(), start):
                 out.new_logprobs = None
             else:
                 out.new_logprobs = type(rows)(
@@ -465,11 +469,11 @@ def unpack_outputs(
                     None,
                 )
             _stats["unpacked"] += 1
-            if not pending.entries:
-                pending = None
+            if not entries.entries:
+                entries = None
                 continue
-        pending.seen += 1
-    return pending
+        entries.seen += 1
+    return run or entries
 
 
 def _taker(states: dict) -> Any:

@@ -569,7 +569,8 @@ def loggable(state: Any) -> _Capture | None:
     processor = getattr(state, "logprobs_processor", None)
     capture = processor.__dict__.get(_CAPTURE_ATTR) if processor is not None else None
     if (
-        capture is None
+        processor is None
+        or capture is None
         or capture.native
         or capture.log is not None
         or processor.num_logprobs is not None

@@ -141,17 +141,12 @@ class RowLog:
                 else:
                     merged.append([block])
             kept, groups = [], merged
-        rebuilt = []
+        rebuilt: list[_Chunk | None] = []
         for chunk in kept:
-            if 2 * chunk.dead > chunk.ids.shape[0]:
-                chunk = self._chunk([(chunk.ids, chunk.lps, chunk.owners)], live)
-            if chunk is not None:
-                rebuilt.append(chunk)
-        self.chunks = rebuilt
-        for group in groups:
-            chunk = self._chunk(group, live)
-            if chunk is not None:
-                self.chunks.append(chunk)
+            half_dead = 2 * chunk.dead > chunk.ids.shape[0]
+            rebuilt.append(self._chunk([(chunk.ids, chunk.lps, chunk.owners)], live) if half_dead else chunk)
+        rebuilt += [self._chunk(group, live) for group in groups]
+        self.chunks = [c for c in rebuilt if c is not None]
 
     @staticmethod
     def _chunk(blocks: list, live: np.ndarray) -> _Chunk | None:
