@@ -105,7 +105,7 @@ class RowLog:
         """One step's rows (arrays this log may keep: copies, never changed) and their slots."""
         self.blocks.append((ids, lps, owners))
         if len(self.blocks) >= FOLD_AT:
-            self.fold()
+            self.fold()  # called from the batch's unpacking: every live request has its state
 
     def append_rows(self, slot: int, ids: np.ndarray, lps: np.ndarray) -> None:
         """Rows of one logged capture that reached it another way (one request's own rows)."""
@@ -113,11 +113,15 @@ class RowLog:
 
     # ------------------------------------------------------------------ folding
 
-    def fold(self) -> None:
+    def fold(self, prune: bool = True) -> None:
         """Blocks -> chunks (one per row width), dropping rows no live logged capture owns;
-        captures whose request left the front end (aborted) are released first, and chunks
-        that are half dead are rebuilt."""
-        if self.states is not None:
+        with ``prune``, captures whose request left the front end (aborted in an ``LLMEngine``:
+        nothing will read them) are released first; chunks that are half dead are rebuilt.
+
+        Not pruned when a capture reads its rows (:meth:`parts`): vLLM's ``abort_requests``
+        drops a request's state *before* it builds the aborted request's final output
+        (``AsyncLLM``, 0.30-0.32), whose rows are read then."""
+        if prune and self.states is not None:
             states = self.states
             for slot, rid in list(self.rid_of.items()):
                 state = states.get(rid)
@@ -168,7 +172,7 @@ class RowLog:
         """The rows of ``slot`` in arrival order, as views (``[rows, N+1]`` ids and logprobs,
         one pair per chunk that has any)."""
         if self.blocks:
-            self.fold()
+            self.fold(prune=False)
         ids, lps = [], []
         for chunk in self.chunks:
             a, b = chunk.span(slot)
