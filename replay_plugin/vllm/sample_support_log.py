@@ -11,11 +11,17 @@ most of the ~140 us per step (32 requests) the front end spent taking rows from 
 Here one log per ``OutputProcessor`` keeps, per engine step, the carrier's two arrays (one copy,
 as before) and the *slot* of the request each row belongs to (looked up once per row of a step
 whose requests changed; an RL batch keeps its requests step after step). Every :data:`FOLD_AT`
-steps the blocks are folded into a chunk ordered by slot (time order kept within a slot),
-without the rows of requests that finished, left (aborted) or are not logged. A finishing request
-reads its rows as one range per chunk. The log never holds more than :data:`FOLD_AT` steps'
-carriers beyond the rows of live logged requests, and a chunk is rebuilt once half its rows
-belong to requests that are gone.
+blocks (a step's run, or its part in one ``AsyncLLM`` output chunk) are folded into a chunk
+ordered by slot (time order kept within a slot), without the rows of requests that finished,
+left (aborted) or are not logged; more than :data:`MERGE_AT` chunks are merged. A finishing
+request reads its rows as one range per chunk. Besides the rows of live logged requests the log
+holds at most :data:`FOLD_AT` blocks and, in chunks not rebuilt yet, as many rows of released
+requests as live ones (a chunk is rebuilt once half its rows are dead).
+
+Known limit: a slot is found by request id. A request aborted in an ``LLMEngine`` (no final
+output) keeps its slot until the next fold prunes it; a new request reusing its id before then
+would have its rows read under the old slot, and its output reports its rows missing (error
+logged, rows empty and inexact), never another request's rows as exact.
 """
 
 from __future__ import annotations
