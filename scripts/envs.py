@@ -387,6 +387,16 @@ def build_wheel() -> str:
 
 
 def install_wheel(venv: str, wheel: str) -> None:
+    # pip moves an installed package aside as ``~<name minus its first letter>...`` before it
+    # removes it; a run killed during the reinstall leaves that behind, and ``replay-plugin
+    # doctor`` (rightly) reports it in every later run. Only the plugin's own leftovers: the
+    # plugin is all this venv ever gets reinstalled.
+    for leftover in glob.glob(os.path.join(venv, "lib", "python*", "site-packages", "~eplay[_-]plugin*")):
+        log(f"removing pip's leftover {leftover} (an earlier install was interrupted)")
+        if os.path.isdir(leftover) and not os.path.islink(leftover):
+            shutil.rmtree(leftover)
+        else:
+            os.unlink(leftover)
     pip(venv, "install", "-q", "--no-deps", "--force-reinstall", wheel)
 
 

@@ -231,3 +231,21 @@ def test_parts_split_an_environment_without_losing_or_repeating_tests():
         envs.test_parts("e", {"e": {"tests": ["tests/unit"], "parts": [[]]}})
     counts, problems = envs.read_upstream_counts([])
     assert counts == {} and problems == []
+
+
+def test_installing_the_wheel_removes_only_the_plugins_leftovers_of_an_interrupted_install(tmp_path, monkeypatch):
+    """pip moves the installed plugin aside as ``~eplay_plugin...`` before removing it: a run
+    killed in between leaves it, and every later run's ``doctor`` reports it. The next install
+    removes the plugin's leftovers (and no other package's) before pip runs."""
+    envs = _envs_module()
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    for name in ["~eplay_plugin-0.1.0.dist-info", "~eplay_plugin", "~orch", "replay_plugin"]:
+        (site / name).mkdir(parents=True)
+        (site / name / "f").write_text("x")
+    (site / "~eplay_plugin.pth").write_text("import x")
+    calls = []
+    monkeypatch.setattr(envs, "pip", lambda venv, *args: calls.append((venv, args)))
+    monkeypatch.setattr(envs, "log", lambda msg: None)
+    envs.install_wheel(str(tmp_path), "w.whl")
+    assert sorted(os.listdir(site)) == ["replay_plugin", "~orch"]
+    assert calls == [(str(tmp_path), ("install", "-q", "--no-deps", "--force-reinstall", "w.whl"))]
