@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,8 @@ OUTPUT_ATTR = "sample_support"
 #: The ``CompletionOutput`` attribute with the reason the engine core refused the request.
 REFUSED_ATTR = "_replay_plugin_refused"
 _CAPTURE_ATTR = "_replay_plugin_capture"
+#: The front ends' ``sample_support_log.RowLog`` objects of this process (each adds itself).
+ROW_LOGS: weakref.WeakSet = weakref.WeakSet()
 #: Shared step references a request keeps before copying its rows (see ``_Capture``).
 _COMPACT_AT = 64
 
@@ -532,6 +535,10 @@ def _new_processor(wrapped, instance, args, kwargs):
         processor.cumulative_logprob = None
     processor.num_logprobs = user
     processor.__dict__[_CAPTURE_ATTR] = _Capture(int(plan["width"]), bool(plan.get("native")))
+    if ROW_LOGS:  # a request id used again: no log may read the new request's rows under the old slot
+        rid = getattr(request, "request_id", None)
+        for row_log in list(ROW_LOGS):
+            row_log.forget(rid)
     return processor
 
 

@@ -18,10 +18,11 @@ request reads its rows as one range per chunk. Besides the rows of live logged r
 holds at most :data:`FOLD_AT` blocks and, in chunks not rebuilt yet, as many rows of released
 requests as live ones (a chunk is rebuilt once half its rows are dead).
 
-Known limit: a slot is found by request id. A request aborted in an ``LLMEngine`` (no final
-output) keeps its slot until the next fold prunes it; a new request reusing its id before then
-would have its rows read under the old slot, and its output reports its rows missing (error
-logged, rows empty and inexact), never another request's rows as exact.
+A slot is found by request id. A request aborted in an ``LLMEngine`` builds no final output,
+so its slot lives until the next fold prunes it; a new request that reuses its id before then
+must not inherit that slot (its rows would be read under the old one and reported missing):
+when a capture is made for a request id, every log releases the id's slot if no live request
+state holds that slot's capture (:meth:`RowLog.forget`, called from the capture's creation).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .sample_support_capture import _CAPTURE_ATTR
+from .sample_support_capture import _CAPTURE_ATTR, ROW_LOGS
 
 #: Blocks (a step's rows, or the part of a step's run in one ``AsyncLLM`` chunk) kept before
 #: they are folded into a chunk.
@@ -76,6 +77,7 @@ class RowLog:
         self.states: dict | None = None
         self._next = 0
         self._run: tuple[list | None, tuple[np.ndarray, list[int]] | None] = (None, None)
+        ROW_LOGS.add(self)
 
     # ------------------------------------------------------------------ steps in
 
@@ -128,12 +130,8 @@ class RowLog:
         drops a request's state *before* it builds the aborted request's final output
         (``AsyncLLM``, 0.30-0.32), whose rows are read then."""
         if prune and self.states is not None:
-            states = self.states
-            for slot, rid in list(self.rid_of.items()):
-                state = states.get(rid)
-                processor = getattr(state, "logprobs_processor", None)
-                if processor is None or processor.__dict__.get(_CAPTURE_ATTR) is not self.captures[slot]:
-                    self.release(slot)
+            for slot in [slot for slot in self.rid_of if not self._live(slot)]:
+                self.release(slot)
         live = np.fromiter(self.captures, dtype=np.int64, count=len(self.captures))
         groups: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
         for block in self.blocks:
@@ -171,6 +169,21 @@ class RowLog:
             ids = np.concatenate([i for i, _, _ in blocks])
             lps = np.concatenate([v for _, v, _ in blocks])
         return _Chunk(ids[order], lps[order], owners[order])
+
+    def _live(self, slot: int) -> bool:
+        """Whether the front end still holds the request state whose capture is ``slot``'s."""
+        state = self.states.get(self.rid_of[slot]) if self.states is not None else None
+        processor = getattr(state, "logprobs_processor", None)
+        return processor is not None and processor.__dict__.get(_CAPTURE_ATTR) is self.captures[slot]
+
+    def forget(self, rid: Any) -> None:
+        """A capture is being made for request id ``rid``: release the slot an earlier request
+        of that id left behind (aborted in an ``LLMEngine``, pruned at no fold yet). A slot whose
+        request is still live is kept (vLLM 0.30-0.33 makes a new state only for an id it does
+        not hold: ``OutputProcessor.add_request``)."""
+        slot = self.slot_of.get(rid)
+        if slot is not None and not self._live(slot):
+            self.release(slot)
 
     # ------------------------------------------------------------------ rows out
 

@@ -418,3 +418,68 @@ def test_the_front_end_log_keeps_each_final_only_request_exactly_its_rows(monkey
         for name in ("ids", "sampled", "sampled_logprob", "exact"):
             np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=f"{rid} {name}")
         assert x.exact.any() and not x.exact.all()  # real rows of both kinds were compared
+
+
+def test_a_request_id_used_again_before_the_next_fold_gets_its_own_rows():
+    """A request aborted in an ``LLMEngine`` builds no final output, so its slot in the front
+    end's log lives until the next fold prunes it. A new request of the same id, made before
+    that fold (through ``LogprobsProcessor.from_new_request``, the patch's own entry), gets a slot
+    of its own, also when the next step schedules the very same ids (the log's per-step cache):
+    it converts exactly its rows. Another request of the step keeps all of its rows."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import EngineCoreOutput
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from vllm.v1.outputs import LogprobsLists
+
+    from replay_plugin.vllm import options
+    from replay_plugin.vllm import sample_support_capture as capture
+    from replay_plugin.vllm.batch_rows import _taker, gather_outputs, unpack_outputs
+    from replay_plugin.vllm.sample_support_log import FOLD_AT, RowLog
+
+    width = W + 2
+    states, reference = {}, {}
+
+    def admit(rid):
+        def stock(*args, **kwargs):
+            return LogprobsProcessor(
+                tokenizer=None, logprobs=None, prompt_logprobs=None, cumulative_logprob=None,
+                num_logprobs=None, num_prompt_logprobs=None,
+            )  # fmt: skip
+
+        plan = {"width": width, "user_logprobs": None, "native": False}
+        request = types.SimpleNamespace(
+            request_id=rid, sampling_params=types.SimpleNamespace(extra_args={options.PLAN_KEY: plan})
+        )
+        processor = capture._new_processor(stock, None, (), {"request": request})
+        states[rid] = types.SimpleNamespace(logprobs_processor=processor, output_kind=RequestOutputKind.FINAL_ONLY)
+        reference[rid] = capture._Capture(width, native=False)
+        return processor.__dict__[capture._CAPTURE_ATTR]
+
+    caps = {rid: admit(rid) for rid in ("a", "b")}
+    log = RowLog(capture.loggable)
+    take = _taker(states)
+    rng = np.random.default_rng(5)
+    running = ["a", "b"]
+    first_a = caps["a"]
+    for step in range(FOLD_AT // 2):
+        ids, lps = _support_rows(rng, len(running), W + 1)
+        for j, rid in enumerate(running):
+            reference[rid].add(ids[j : j + 1], lps[j : j + 1])
+        outputs = [EngineCoreOutput(request_id=rid, new_token_ids=[1]) for rid in running]
+        gather_outputs(outputs, LogprobsLists(ids, lps, np.zeros(2, dtype=np.int64)), {"a": 0, "b": 1}, set(running))
+        assert unpack_outputs(_wire(outputs), None, take, log, states) is None
+        if step == 9:  # "a" aborted in an LLMEngine (state dropped, nothing converts it) ...
+            del states["a"]
+            caps["a"] = admit("a")  # ... and a new request takes its id before any fold
+            assert first_a.log is None  # the old slot was released
+    assert len(log.blocks) == FOLD_AT // 2 and not log.chunks  # no fold ran: nothing pruned
+    for rid, n in (("a", FOLD_AT // 2 - 10), ("b", FOLD_AT // 2)):
+        assert caps[rid].log is log
+        caps[rid]._convert()
+        reference[rid]._convert()
+        a, b = caps[rid].buffer, reference[rid].buffer
+        assert a.size == b.size == n, rid
+        x, y = a.view(0, a.size), b.view(0, b.size)
+        for name in ("ids", "sampled", "sampled_logprob", "exact"):
+            np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=f"{rid} {name}")
+    assert len(log) == 0 and not log.captures
