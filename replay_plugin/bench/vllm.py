@@ -24,8 +24,8 @@ wall clock measures the neighbours too. Also: the share of captured rows flagged
 0) and the share of top-k rows that miss the sampled token.
 
 *Throughput on a larger model* (full-size runs only): capture against plain generation on a
-model whose forward pass is most of a step (hidden 512, 4 layers: ~29 ms per step of 32
-requests on the 2-core VM, ~7 ms for the tests' model). Capture's cost is per engine step, not
+model whose forward pass is most of a step (hidden 512, 4 layers: 23-28 ms per step of 32
+requests on the 2-core VM, 7-8.5 ms for the tests' model). Capture's cost is per engine step, not
 per unit of model compute, so it is also reported in ms per step for both models.
 """
 
@@ -381,9 +381,9 @@ def _throughput(quick: bool) -> list[Result]:
     ]
 
 
-#: The larger model's shape: still tiny beside any model an RL job trains (~40 M parameters),
-#: but its forward pass, not vLLM's per-step bookkeeping, is most of a step (~29 ms per step of
-#: 32 requests on the 2-core VM, against ~7 ms for the tests' model).
+#: The larger model's shape: still tiny beside any model an RL job trains (~27 M parameters),
+#: but its forward pass, not vLLM's per-step bookkeeping, is most of a step (23-28 ms per step
+#: of 32 requests on the 2-core VM, against 7-8.5 ms for the tests' model).
 LARGER = "hidden 512, 4 layers, expert / dense MLP width 512 / 1024"
 
 
@@ -392,7 +392,7 @@ def _throughput_larger_model(quick: bool) -> list[Result]:
 
     Capture's cost is per engine step (vLLM's logprob rows, their transport, the front end's
     bookkeeping), not per unit of model compute; on the tests' model a step is almost all of
-    vLLM's own per-step work, so the same cost weighs ~4x more there than on this model, and
+    vLLM's own per-step work, so the same cost weighs ~3-4x more there than on this model, and
     more still than on a real one. Both are reported; capture and plain rounds alternate (the
     first of a round rotates) and the ratio is of summed wall-clock times."""
     if quick:  # a second engine and a larger model: full-size runs only
