@@ -24,16 +24,18 @@ wall clock measures the neighbours too. Also: the share of captured rows flagged
 0) and the share of top-k rows that miss the sampled token.
 
 *Throughput on a larger model* (full-size runs only): capture against plain generation on a
-model whose forward pass is most of a step (hidden 512, 4 layers: 23-28 ms per step of 32
+model whose forward pass is most of a step (hidden 512, 4 layers: 20-28 ms per step of 32
 requests on the 2-core VM, 7-8.5 ms for the tests' model). Capture's cost is per engine step, not
 per unit of model compute, so it is also reported in ms per step for both models.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from replay_plugin.bench import Result
@@ -211,15 +213,40 @@ def _cpu_seconds() -> float:
     return total
 
 
+def _sampling(prompts_n: int, max_tokens: int, **kw: Any) -> list:
+    """One ``SamplingParams`` per prompt: top-k sampling, seeded per prompt, no early stop."""
+    from vllm import SamplingParams
+
+    return [
+        SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=max_tokens, seed=i, ignore_eos=True, **kw)
+        for i in range(prompts_n)
+    ]
+
+
+@contextlib.contextmanager
+def _engine(config: Any, prompts_n: int) -> Iterator[Any]:
+    """A ``vllm.LLM`` (plugin active) on the tiny-model build of ``config``, shut down after."""
+    import replay_plugin
+    from replay_plugin.demo.tiny_model import build_tiny_moe
+
+    replay_plugin.activate()
+    from vllm import LLM
+
+    model = build_tiny_moe(config=config)
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, max_num_seqs=prompts_n)
+    try:
+        yield llm
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def _throughput(quick: bool) -> list[Result]:
     import numpy as np
 
-    import replay_plugin
-    from replay_plugin.demo.tiny_model import TinyMoEConfig, build_tiny_moe
-
-    replay_plugin.activate()
-    from vllm import LLM, SamplingParams
-
+    from replay_plugin.demo.tiny_model import TinyMoEConfig
     from replay_plugin.vllm import support_of
     from replay_plugin.vllm.sample_support import capture_stats
 
@@ -227,27 +254,18 @@ def _throughput(quick: bool) -> list[Result]:
     # batches ranged 0.75-1.34, stdev 0.15): the ratios are of summed times over every round (the
     # throughput over the whole run), with the spread of the per-round ratios in the note.
     prompts_n, max_tokens, rounds = (16, 32, 3) if quick else (32, 128, 15)
-    model = build_tiny_moe(config=TinyMoEConfig(tie_group_size=3))
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, max_num_seqs=prompts_n)
-    try:
+    with _engine(TinyMoEConfig(tie_group_size=3), prompts_n) as llm:
         words = (
             "the router sends each token to its top experts and the trainer must replay them "
             "a sampler draws from the top k tokens after temperature"
         ).split()
         prompts = [" ".join(words[i % len(words) :][:6] or words[:6]) for i in range(prompts_n)]
-
-        def params(**kw: Any) -> list:
-            return [
-                SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=max_tokens, seed=i, ignore_eos=True, **kw)
-                for i in range(prompts_n)
-            ]
-
         batches = {
-            "capture": params(extra_args={"replay_sample_support": True}),
-            "top-k": params(logprobs=TOP_K, flat_logprobs=True),
-            "plain": params(),
+            "capture": _sampling(prompts_n, max_tokens, extra_args={"replay_sample_support": True}),
+            "top-k": _sampling(prompts_n, max_tokens, logprobs=TOP_K, flat_logprobs=True),
+            "plain": _sampling(prompts_n, max_tokens),
             # what an RL rollout asks for anyway: the sampled token's logprob (behaviour policy)
-            "sampled": params(logprobs=0),
+            "sampled": _sampling(prompts_n, max_tokens, logprobs=0),
         }
 
         def timed(batch: list, name: str | None = None) -> tuple[float, float, list]:
@@ -289,11 +307,6 @@ def _throughput(quick: bool) -> list[Result]:
         after = capture_stats()
         captured = after["rows"] - before["rows"]
         inexact = after["inexact"] - before["inexact"]
-    finally:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
     med = statistics.median
 
     def throughput(name: str, clock: str) -> float:
@@ -382,7 +395,7 @@ def _throughput(quick: bool) -> list[Result]:
 
 
 #: The larger model's shape: still tiny beside any model an RL job trains (~27 M parameters),
-#: but its forward pass, not vLLM's per-step bookkeeping, is most of a step (23-28 ms per step
+#: but its forward pass, not vLLM's per-step bookkeeping, is most of a step (20-28 ms per step
 #: of 32 requests on the 2-core VM, against 7-8.5 ms for the tests' model).
 LARGER = "hidden 512, 4 layers, expert / dense MLP width 512 / 1024"
 
@@ -397,30 +410,19 @@ def _throughput_larger_model(quick: bool) -> list[Result]:
     first of a round rotates) and the ratio is of summed wall-clock times."""
     if quick:  # a second engine and a larger model: full-size runs only
         return []
-    import replay_plugin
-    from replay_plugin.demo.tiny_model import TinyMoEConfig, build_tiny_moe
-
-    replay_plugin.activate()
-    from vllm import LLM, SamplingParams
-
+    from replay_plugin.demo.tiny_model import TinyMoEConfig
     from replay_plugin.vllm import support_of
 
     prompts_n, max_tokens, rounds = 32, 128, 10
     larger = TinyMoEConfig(
         tie_group_size=3, hidden_size=512, num_layers=4, moe_intermediate_size=512, intermediate_size=1024
     )
-    model = build_tiny_moe(config=larger)
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0, max_num_seqs=prompts_n)
-    try:
+    with _engine(larger, prompts_n) as llm:
         prompts = [f"the router sends token {i} to its top experts" for i in range(prompts_n)]
-
-        def params(**kw: Any) -> list:
-            return [
-                SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=max_tokens, seed=i, ignore_eos=True, **kw)
-                for i in range(prompts_n)
-            ]
-
-        batches = {"capture": params(extra_args={"replay_sample_support": True}), "plain": params()}
+        batches = {
+            "capture": _sampling(prompts_n, max_tokens, extra_args={"replay_sample_support": True}),
+            "plain": _sampling(prompts_n, max_tokens),
+        }
         wall = {name: 0.0 for name in batches}
         per_round = []
         for r in range(rounds + 1):  # round 0 warms up
@@ -435,11 +437,6 @@ def _throughput_larger_model(quick: bool) -> list[Result]:
                 for name in batches:
                     wall[name] += took[name]
                 per_round.append(took["plain"] / took["capture"])
-    finally:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
     steps = rounds * max_tokens
     return [
         Result(
