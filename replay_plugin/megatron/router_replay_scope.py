@@ -9,10 +9,16 @@ adds its tokens to the routers' expert-bias counts.
 
 The wrapper, around each top-level ``forward_backward_*`` schedule, undoes only the schedule's
 own installs: FIFO entries appended during the schedule (``set_target_indices``) and left
-unconsumed are removed, a target and an action it set on a router that had none are reset, and
-after a forward-only schedule the expert-bias counts are restored. State that existed before the
-schedule is left as stock Megatron leaves it: routes installed once and replayed by two
-schedules, ``RECORD`` set once for several schedules, a second model's routes installed before
+unconsumed are removed, so is a target it installed, and after a forward-only schedule the
+expert-bias counts are restored. Actions: on a router the schedule installed routes on, a replay
+action (``REPLAY_FORWARD`` / ``REPLAY_BACKWARD``) left at the end would replay routes that were
+just dropped, so the router gets back the action it had when the schedule started (none for a
+router built during it): a ``REPLAY_FORWARD`` the caller set once before two schedules whose
+``forward_step`` installs routes stays set for the second. Every other action change is left as
+stock Megatron leaves it (``RECORD`` set inside ``forward_step`` keeps recording afterwards; an
+action set on a router the schedule installed nothing on is the caller's). State that existed
+before the schedule is left as stock Megatron leaves it too: routes installed once and replayed by
+two schedules, ``RECORD`` set once for several schedules, a second model's routes installed before
 this schedule runs. One exception: FIFO entries installed before the schedule on a router the
 schedule installs on again would be popped by this schedule's recompute in place of its own
 routes; they are dropped with a :class:`StaleRoutesWarning` (an error under ``-W error``).
@@ -58,9 +64,10 @@ class Schedule:
 
     def __init__(self, forward_only: bool, instances: list) -> None:
         self.forward_only = forward_only
-        # every RouterReplay and its action when the schedule started
+        # every RouterReplay (held, so that ids stay unique) and, by id, its action when the
+        # schedule started
         self.instances = list(instances)
-        self.actions = [inst.router_replay_action for inst in instances]
+        self.actions = {id(inst): inst.router_replay_action for inst in instances}
         # instance -> ids of the FIFO entries set_target_indices appended during the schedule
         self.installed: dict[Any, set[int]] = {}
         self.stale = 0
@@ -129,23 +136,20 @@ def _drop_stale(schedule: Schedule, instance: Any, fifo: list) -> None:
 
 def _end(schedule: Schedule) -> None:
     """Undo what ``schedule`` installed and left unconsumed; leave older state alone."""
-    instances, before, installed = schedule.instances, schedule.actions, schedule.installed
-    now = [inst.router_replay_action for inst in instances]
-    if not installed and now == before:  # nothing installed, no action changed: the common case
+    installed = schedule.installed
+    if not installed:  # the common case of a schedule that replays nothing
         return
     _, action_enum = _classes()
     replay_actions = (action_enum.REPLAY_FORWARD, action_enum.REPLAY_BACKWARD)
     for inst, own in installed.items():
         _drop_own(inst, own)
-    for inst, action, current in zip(instances, before, now):
-        if current is None:
-            continue
-        # an action the schedule set on a router that had none, or a replay action its own
-        # installs superseded, ends with the schedule
-        if action is None or (action in replay_actions and inst in installed):
-            inst.router_replay_action = None
-    for inst in installed.keys() - set(instances):  # instances built during the schedule
-        inst.router_replay_action = None
+        # A replay action left on a router whose own routes were just dropped would replay
+        # nothing (REPLAY_FORWARD gathers at a None target) or another schedule's FIFO entries:
+        # the router gets back the action it had when the schedule started (routers built during
+        # the schedule had none). Not RECORD, nor routers the schedule installed nothing on:
+        # those stay as stock Megatron leaves them.
+        if inst.router_replay_action in replay_actions:
+            inst.router_replay_action = schedule.actions.get(id(inst))
 
 
 def _drop_own(inst: Any, own: set[int]) -> None:

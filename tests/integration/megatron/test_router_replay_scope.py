@@ -291,6 +291,78 @@ def scenario_stale_driver_routes(patch: bool):
     return out
 
 
+def scenario_action_set_once(patch: bool, first: str):
+    """REPLAY_FORWARD set once by the caller; then a first schedule (``first``: a training
+    step, a forward-only pass, or a training step whose forward_step raises) and a training
+    schedule, each forward_step installing its routes with set_replay_data and setting no action."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    model = harness.build_model(moe_router_enable_expert_bias=False)
+    spy = harness.RouteSpy(model)
+    out: dict = {}
+
+    def install_only(experts, fail: bool = False):
+        def step(m, batch):
+            idx = torch.tensor([list(experts)] * batch[0].numel(), dtype=torch.int32)
+            RouterReplay.set_replay_data([idx] * len(RouterReplay.global_router_replay_instances))
+            if fail:
+                raise RuntimeError("forward_step failed")
+            return _plain(m, batch)
+
+        return step
+
+    with _off_or_on(patch):
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            harness.run_schedule(
+                model,
+                [harness.tokens(B, S, 1)],
+                forward_only=first == "forward_only",
+                step=install_only(TRAIN_EXPERTS, fail=first == "raised"),
+                seq=S,
+                mbs=B,
+            )
+        except RuntimeError as exc:
+            out["first_error"] = str(exc)
+        out["action_between"] = [str(r.router_replay_action) for r in RouterReplay.global_router_replay_instances]
+        spy.calls.clear()
+        harness.run_schedule(
+            model, [harness.tokens(B, S, 2)], forward_only=False, step=install_only(LOGPROB_EXPERTS), seq=S, mbs=B
+        )
+        out["second_calls"] = _experts_per_call(spy)
+        out["action_after"] = [str(r.router_replay_action) for r in RouterReplay.global_router_replay_instances]
+    return out
+
+
+def scenario_record_set_inside_forward_step(patch: bool, forward_only: bool):
+    """forward_step sets RECORD (no action before the schedule); afterwards a plain forward of
+    another batch outside any schedule: stock keeps recording it."""
+    import torch
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    model = harness.build_model(moe_router_enable_expert_bias=False)
+    spy = harness.RouteSpy(model)
+    out: dict = {}
+
+    def step(m, batch):
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+        return _plain(m, batch)
+
+    with _off_or_on(patch):
+        harness.run_schedule(model, [harness.tokens(B, S, 1)], forward_only=forward_only, step=step, seq=S, mbs=B)
+        out["action_after"] = [str(r.router_replay_action) for r in RouterReplay.global_router_replay_instances]
+        spy.calls.clear()
+        with torch.no_grad():
+            _plain(model, harness.tokens(B, S, 2))
+        recorded = RouterReplay.get_recorded_data()
+        own = [c["map"] for c in spy.calls]  # the later forward's own routing, one call per layer
+        out["later_forward_recorded"] = [
+            rec is not None and bool(torch.equal(harness.routing_map(rec, 4), m)) for rec, m in zip(recorded, own)
+        ]
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # tests
 
@@ -397,3 +469,27 @@ def test_stale_routes_from_outside_a_schedule_are_dropped_with_a_warning(worker)
     on = worker.run(scenario_stale_driver_routes, patch=True)
     assert on["backward_replays"] == {"1": [["fresh"]], "2": [["fresh"]]}
     assert len(on["warnings"]) == 1 and "installed before this schedule" in on["warnings"][0]
+
+
+@pytest.mark.parametrize("first", ["train", "forward_only", "raised"])
+def test_a_replay_action_the_caller_set_survives_a_schedule_that_installs_routes(worker, first):
+    """The caller sets REPLAY_FORWARD once and its forward_step only installs routes: stock
+    replays them in every schedule. The patch drops each schedule's unconsumed routes and gives
+    the routers back the action they had when the schedule started, not none."""
+    replayed = [["REPLAY_FORWARD", list(LOGPROB_EXPERTS)]] * 2  # 2 layers, no recompute
+    off = worker.run(scenario_action_set_once, patch=False, first=first)
+    assert off.get("first_error") == ("forward_step failed" if first == "raised" else None)
+    assert off["action_between"] == ["RouterReplayAction.REPLAY_FORWARD"] * 2
+    assert off["second_calls"] == replayed
+
+    on = worker.run(scenario_action_set_once, patch=True, first=first)
+    assert on == off
+
+
+@pytest.mark.parametrize("forward_only", [True, False])
+def test_record_set_inside_forward_step_keeps_recording_after_the_schedule(worker, forward_only):
+    off = worker.run(scenario_record_set_inside_forward_step, patch=False, forward_only=forward_only)
+    assert off["action_after"] == ["RouterReplayAction.RECORD"] * 2
+    assert off["later_forward_recorded"] == [True, True]
+    on = worker.run(scenario_record_set_inside_forward_step, patch=True, forward_only=forward_only)
+    assert on == off
