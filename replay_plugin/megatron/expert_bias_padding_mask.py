@@ -6,7 +6,9 @@ computes ``routing_map & ~padding_mask`` with a ``[tokens, experts]`` map and a 
 so broadcasting lines tokens up with experts: a training forward with expert bias raises when
 tokens != experts and miscounts silently when they are equal. Replay always passes a padding
 mask. The probe runs the unwrapped upstream on a 3-token, 4-expert stand-in router; the wrapper
-masks the routing map itself and calls the original with ``padding_mask=None``. Fixed by PR
+masks the routing map itself and calls the original with ``padding_mask=None``; a mask that is
+not one flag per token raises :class:`ReplayDataError` (a ``[1]`` mask would otherwise broadcast
+over every token and zero all counts, silently, with or without the fix). Fixed by PR
 #6114 (on ``main``, in no release as of 0.19.2); remove once the oldest supported release has it.
 """
 
@@ -16,6 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from ..core.errors import ReplayDataError
 from ..patcher import Patcher
 from ..spec import PatchSpec, ProbeResult
 
@@ -76,10 +79,19 @@ def _apply_expert_bias(wrapped, instance, args, kwargs):
 
     if not torch.is_grad_enabled():  # the original counts nothing then (eval, recompute)
         return wrapped(*args, **kwargs)
+    tokens = routing_map.shape[0]
+    if tuple(padding_mask.shape) != (tokens,):
+        # A [1] mask would broadcast over every token (all counts zeroed, silently, as upstream
+        # does too), a [experts] one over the expert columns (upstream's bug): only the flat
+        # per-token mask TopKRouter.routing passes is meaningful here.
+        raise ReplayDataError(
+            "padding_mask",
+            f"shape {list(padding_mask.shape)} for a routing map of {tokens} tokens x {routing_map.shape[-1]} experts "
+            "in TopKRouter._apply_expert_bias",
+            expected=f"[{tokens}] (one flag per token, True = padding), as TopKRouter.routing passes it",
+        )
     valid = ~padding_mask.bool()
-    if valid.dim() == routing_map.dim() - 1:
-        valid = valid.unsqueeze(-1)  # [tokens] -> [tokens, 1]: broadcast over experts
-    return wrapped(routing_map & valid, padding_mask=None)
+    return wrapped(routing_map & valid.unsqueeze(-1), padding_mask=None)  # [tokens, 1]: over experts
 
 
 def install(patcher: Patcher) -> None:

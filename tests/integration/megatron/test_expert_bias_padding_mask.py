@@ -70,6 +70,29 @@ def scenario_forward_backward(
     return out
 
 
+def scenario_wrong_length_mask(patch: bool):
+    """``TopKRouter._apply_expert_bias`` called through the class with masks that are not one
+    flag per token: ``[1]`` (broadcast over every token) and ``[experts]``."""
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    model = harness.build_model(num_moe_experts=4)
+    _, router = harness.routers(model)[0]
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]] * 4)  # 16 tokens, 4 experts
+    routing_map = torch.zeros(16, 4, dtype=torch.bool).scatter(1, idx, True)
+    out: dict = {}
+    with _ctx(patch):
+        for name, mask in (("one", torch.tensor([True])), ("experts", torch.tensor([True, True, False, False]))):
+            router.local_tokens_per_expert.zero_()
+            try:
+                with torch.enable_grad():
+                    TopKRouter._apply_expert_bias(router, routing_map, padding_mask=mask)
+                out[name] = router.local_tokens_per_expert.tolist()
+            except Exception as exc:  # noqa: BLE001
+                out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 COMPILED = r"""
 import json, torch
 import megatron.core
@@ -148,3 +171,15 @@ def test_compiled_function():
     assert out["compiled"]
     assert out["False"].startswith("TorchRuntimeError") and "broadcast" in out["False"]
     assert out["True"] == out["expected"] == [5.0, 4.0, 5.0, 6.0]
+
+
+def test_a_mask_that_is_not_one_flag_per_token_is_refused(worker):
+    off = worker.run(scenario_wrong_length_mask, patch=False)
+    # upstream: a [1] mask broadcasts over all 16 tokens and zeroes every count, silently; a
+    # [experts] one masks expert columns (the bug the patch fixes)
+    assert off["one"] == [0.0, 0.0, 0.0, 0.0]
+    assert off["experts"] == [0.0, 0.0, 8.0, 8.0]
+    on = worker.run(scenario_wrong_length_mask, patch=True)
+    for name, shape in (("one", "[1]"), ("experts", "[4]")):
+        assert on[name].startswith("ReplayDataError: field 'padding_mask'"), on[name]
+        assert f"shape {shape} for a routing map of 16 tokens" in on[name] and "expected [16]" in on[name]
