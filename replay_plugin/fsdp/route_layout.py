@@ -45,13 +45,21 @@ def check_routes(routes: Any, mask: Any, scan: MoeModel) -> tuple[torch.Tensor, 
     m = None
     if mask is not None:
         m = _as_tensor(mask, "router_padding_mask")
-        if m.is_floating_point() or m.is_complex() or tuple(m.shape) != tuple(r.shape[:-2]):
+        if m.dtype != torch.bool:
+            # An integer mask is most likely an attention mask (1 = valid), the opposite of this
+            # one: refuse rather than guess (as the Megatron driver does).
+            raise ReplayTypeError(
+                "router_padding_mask",
+                f"dtype {m.dtype}",
+                expected="bool, True = no recorded route (an attention mask means the opposite: pass ~mask.bool())",
+            )
+        if tuple(m.shape) != tuple(r.shape[:-2]):
             raise ReplayDataError(
                 "router_padding_mask",
-                f"{m.dtype} of shape {tuple(m.shape)}",
+                f"shape {tuple(m.shape)}",
                 expected=f"bool {list(r.shape[:-2])} (True = no recorded route: the model routes the token itself)",
             )
-        m = m.to(device=r.device) != 0
+        m = m.to(device=r.device)
     # in the compact dtype (no int64 copy); one reduction on the fast path
     moe = r
     if len(scan.moe_layers) != r.shape[-2]:

@@ -515,6 +515,24 @@ def test_route_data_errors_name_the_field_layer_and_token():
         replay_routes(H.build("deepseek_v3"), random_routes((B, S), 3), aux_loss="replayed")
 
 
+def test_an_integer_router_padding_mask_is_refused_not_read_inverted():
+    """An attention mask (1 = valid) passed where the router padding mask (True = no route)
+    belongs would replay the padding and route every valid token itself: refused by dtype."""
+    import torch
+
+    from replay_plugin.core.errors import ReplayTypeError
+    from replay_plugin.fsdp import replay_routes
+
+    model = H.build("qwen3_moe")
+    routes = random_routes((B, S), model.config.num_hidden_layers)
+    for dtype in (torch.int64, torch.int32, torch.uint8):
+        attention = torch.ones(B, S, dtype=dtype)
+        with pytest.raises(ReplayTypeError, match=rf"'router_padding_mask': dtype {dtype}.*pass ~mask.bool\(\)"):
+            replay_routes(model, routes, attention)
+    with replay_routes(model, routes, torch.zeros(B, S, dtype=torch.bool)):  # the bool mask still works
+        model(input_ids=_ids(), use_cache=False)
+
+
 def test_unknown_family_and_kernel_paths_are_refused_by_name():
     import types
 
