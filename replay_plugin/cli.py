@@ -214,7 +214,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    results = bench.run(args.names, quick=args.quick)
+    results = bench.run(args.names, quick=args.quick, runs=args.runs)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump([r.as_dict() for r in results], fh, indent=1)
@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks (ratios against the baseline a user would run)")
     p.add_argument("names", nargs="*", help="startup, wire, logprobs, megatron, vllm, fsdp (default: all)")
     p.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
+    p.add_argument(
+        "--runs", type=int, default=1, metavar="N", help="run each benchmark N times; report each figure's median"
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.set_defaults(func=cmd_bench)
 

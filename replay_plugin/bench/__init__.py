@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import operator
+import statistics
 from collections.abc import Callable
 
 #: name -> module; ``replay-plugin bench`` with no argument runs them all, in this order.
@@ -61,8 +62,15 @@ class Result:
         return d
 
 
-def run(names: list[str], quick: bool = False) -> list[Result]:
-    """Run the named benchmarks (all when ``names`` is empty) and return their results."""
+def run(names: list[str], quick: bool = False, runs: int = 1) -> list[Result]:
+    """Run the named benchmarks (all when ``names`` is empty) and return their results.
+
+    With ``runs`` > 1 each benchmark runs that many times, one after the other, and each figure
+    is the median of its runs (:func:`median_of_runs`): one run of a throughput ratio on a
+    shared 2-core machine resolves about +-5%, a goal is judged on the median.
+    """
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
     results: list[Result] = []
     for name in names or list(BENCHES):
         if name not in BENCHES:
@@ -72,11 +80,27 @@ def run(names: list[str], quick: bool = False) -> list[Result]:
         except ImportError as exc:
             results.append(Result(name, "(not available)", None, note=f"{exc}"))
             continue
-        results.extend(module.run(quick=quick))
+        results.extend(median_of_runs([module.run(quick=quick) for _ in range(runs)]))
     if quick:  # smoke shapes: the goals are stated for the full-size runs
         for r in results:
             r.goal = None
     return results
+
+
+def median_of_runs(runs: list[list[Result]]) -> list[Result]:
+    """One result per metric, in the first run's order: the median value of the runs (a metric
+    missing from a run, or unmeasured in one, is left out of its median), the first run's note,
+    and every run's value appended to the note when there is more than one run."""
+    if len(runs) == 1:
+        return runs[0]
+    out = []
+    for first in runs[0]:
+        values = [r.value for results in runs for r in results if r.metric == first.metric and r.value is not None]
+        value = statistics.median(values) if values else None
+        note = first.note + ("; " if first.note else "") + f"median of {len(values)} runs: "
+        note += ", ".join(f"{v:.4g}" for v in values)
+        out.append(dataclasses.replace(first, value=value, note=note))
+    return out
 
 
 def format_table(results: list[Result]) -> str:
