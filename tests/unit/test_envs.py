@@ -405,3 +405,36 @@ def test_upstream_reports_are_summed_and_a_missing_report_fails(tmp_path):
     assert envs.upstream_failures("e", [str(a)], ["vllm"]) == ["upstream vllm: no test passed (2 skipped, 0 failed)"]
     missing = envs.upstream_failures("e", [str(a), str(tmp_path / "none.json")], ["vllm"])
     assert len(missing) == 1 and missing[0].startswith("no upstream report from pytest"), missing
+
+
+def test_conftest_pins_are_the_environments_pins():
+    """tests/conftest.py's ``pinned`` (what need_module() decides on) reads every environment's
+    pins as this module does, overlays included."""
+    from conftest import pinned
+
+    envs, locks, _ = _load()
+    for env in envs:
+        assert pinned(env) == locks[env], env
+    assert "ray" in pinned("main") and "ray" not in pinned("py312")
+    with pytest.raises(ValueError, match="REPLAY_TEST_ENV='nope' is not an environment"):
+        pinned("nope")
+
+
+def test_need_module_fails_where_the_environment_pins_the_distribution(monkeypatch):
+    """``need_module`` is ``importorskip`` outside the environments that pin the distribution;
+    where one does (main pins ray), an import that fails is an error, not a skip. A module that
+    does not exist stands for a missing or broken install of the pinned distribution."""
+    from conftest import need_module
+
+    broken = "replay_tests_no_such_module"
+    monkeypatch.setenv("REPLAY_TEST_ENV", "main")
+    with pytest.raises(ModuleNotFoundError, match=broken):
+        need_module(broken, distribution="ray")
+    assert need_module("json", distribution="ray").__name__ == "json"
+    for env in ("py312", None):  # ray not pinned; no test environment: importability decides
+        if env is None:
+            monkeypatch.delenv("REPLAY_TEST_ENV")
+        else:
+            monkeypatch.setenv("REPLAY_TEST_ENV", env)
+        with pytest.raises(pytest.skip.Exception):
+            need_module(broken, distribution="ray")
