@@ -8,7 +8,8 @@ Environment contract (set by scripts/envs.py test):
 
 A test that needs an upstream this environment is not meant to have is skipped; one whose
 upstream the environment should have but cannot import fails (never a silent skip).
-Outside scripts/test (a developer's pytest run) importability decides.
+Outside scripts/test (a developer's pytest run) importability decides. need_module() does the
+same for other distributions (ray): where REPLAY_TEST_ENV's lock pins it, it must import.
 
 Upstream report: every upstream passed to need() is attributed to the test that called it, or,
 when a fixture called it, to every test using that fixture (a session fixture runs need() once,
@@ -24,10 +25,12 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +62,43 @@ def need(*upstreams: str) -> None:
             importlib.import_module(_IMPORT_NAMES[up])  # must work: the env declares it
         elif importlib.util.find_spec(_IMPORT_NAMES[up].partition(".")[0]) is None:
             pytest.skip(f"{up} is not installed")
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned(env: str) -> dict[str, str]:
+    """The exact pins of test environment ``env`` of envs/envs.toml (normalised distribution name
+    -> version): its lock file, or for an overlay its base's lock without ``remove`` and with
+    the ``overlay`` pins over it."""
+    with open(os.path.join(ROOT, "envs", "envs.toml"), "rb") as fh:
+        cfg = tomllib.load(fh)
+    if env not in cfg:
+        raise ValueError(f"REPLAY_TEST_ENV={env!r} is not an environment of envs/envs.toml ({sorted(cfg)})")
+    entry = cfg[env]
+    pins = {}
+    with open(os.path.join(ROOT, "envs", f"{entry.get('base', env)}.lock")) as fh:
+        for line in fh:
+            dist, sep, version = line.split("#", 1)[0].strip().partition("==")
+            if sep:
+                pins[_dist(dist)] = version
+    for dist in entry.get("remove", []):
+        pins.pop(_dist(dist), None)
+    for pin in entry.get("overlay", []):
+        dist, _, version = pin.partition("==")
+        pins[_dist(dist)] = version
+    return pins
+
+
+def need_module(module: str, distribution: str | None = None):
+    """``pytest.importorskip(module)``, except in a test environment (REPLAY_TEST_ENV) whose pins
+    hold ``distribution`` (default: the module's top-level name): there the module is declared,
+    and an import that fails fails the test."""
+    env = os.environ.get("REPLAY_TEST_ENV")
+    if env and _dist(distribution or module.partition(".")[0]) in pinned(env):
+        return importlib.import_module(module)  # must work: the environment's lock installs it
+    return pytest.importorskip(module)
 
 
 class _Usage:

@@ -1,4 +1,5 @@
 import copy
+import textwrap
 
 import pytest
 import yaml
@@ -111,7 +112,7 @@ def _target_function():
     return 1
 
 
-def test_source_fingerprint_ignores_wrappers_and_trailing_space():
+def test_source_fingerprint_ignores_wrappers():
     import functools
 
     @functools.wraps(_target_function)
@@ -120,6 +121,75 @@ def test_source_fingerprint_ignores_wrappers_and_trailing_space():
 
     assert compat.source_fingerprint(wrapper) == compat.source_fingerprint(_target_function)
     assert compat.source_fingerprint(_target_function).startswith("sha256:")
+
+
+WS_BASE = '''def f(x):
+    """Doc."""
+    y = (
+        x
+        + 1
+    )
+
+    return y
+'''
+
+# The fingerprint's normalisation (compat._digest): trailing whitespace of each line, a uniform
+# indentation of the whole block (a method and a module-level function) and the line-end
+# convention do not matter; any other change to the text does.
+WS_SAME = {
+    "trailing spaces and tabs": "".join(line + " \t " + "\n" for line in WS_BASE.splitlines()),
+    "trailing spaces on the last line": WS_BASE.replace("return y\n", "return y    \n"),
+    "whitespace on the blank line": WS_BASE.replace("\n\n", "\n        \n"),
+    "CRLF line ends": WS_BASE.replace("\n", "\r\n"),
+    "indented as a method": "class C:\n" + textwrap.indent(WS_BASE, "    "),
+}
+WS_CHANGED = {
+    "whitespace inside a line": WS_BASE.replace("+ 1", "+  1"),
+    "a line's indentation": WS_BASE.replace("        x\n", "          x\n"),
+    "a trailing comment": WS_BASE.replace("return y\n", "return y  # note\n"),
+    "a blank line removed": WS_BASE.replace("\n\n", "\n"),
+    "a line joined": WS_BASE.replace("(\n        x\n        + 1\n    )", "(\n        x + 1\n    )"),
+}
+
+
+def _ws_fingerprints(tmp_path, monkeypatch, variants: dict) -> dict:
+    """``{variant: (imported, static)}`` fingerprints of ``f`` (or ``C.f``) written to a module."""
+    import pkgutil
+    import sys
+
+    root = tmp_path / "src"
+    (root / "wsfp").mkdir(parents=True)
+    (root / "wsfp" / "__init__.py").write_text("")
+    names = {}
+    for i, (label, text) in enumerate(variants.items()):
+        (root / "wsfp" / f"v{i}.py").write_bytes(text.encode())
+        names[label] = f"wsfp.v{i}:" + ("C.f" if text.startswith("class C") else "f")
+    monkeypatch.syspath_prepend(str(root))
+    try:
+        out = {
+            label: (compat.source_fingerprint(pkgutil.resolve_name(name)), compat.static_fingerprint(str(root), name))
+            for label, name in names.items()
+        }
+    finally:
+        for mod in [m for m in sys.modules if m == "wsfp" or m.startswith("wsfp.")]:
+            del sys.modules[mod]
+    return out
+
+
+def test_source_fingerprint_ignores_trailing_whitespace_and_detects_other_whitespace(tmp_path, monkeypatch):
+    """What the normalisation drops (above) gives the base's fingerprint, imported and read
+    statically alike; a change next to it (inside a line, at a line's start, after the code,
+    between lines) gives another."""
+    assert all(text != WS_BASE for text in [*WS_SAME.values(), *WS_CHANGED.values()])
+    prints = _ws_fingerprints(tmp_path, monkeypatch, {"base": WS_BASE, **WS_SAME, **WS_CHANGED})
+    base = prints["base"][0]
+    assert prints["base"] == (base, base)
+    for label in WS_SAME:
+        assert prints[label] == (base, base), label
+    for label in WS_CHANGED:
+        imported, static = prints[label]
+        assert imported == static != base, label
+    assert len({prints[label][0] for label in WS_CHANGED}) == len(WS_CHANGED)
 
 
 def test_check_fingerprints_states():

@@ -10,6 +10,7 @@ them. An overlay environment's pins are its base's lock with the overlay's exact
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
 
@@ -249,3 +250,191 @@ def test_installing_the_wheel_removes_only_the_plugins_leftovers_of_an_interrupt
     envs.install_wheel(str(tmp_path), "w.whl")
     assert sorted(os.listdir(site)) == ["replay_plugin", "~orch"]
     assert calls == [(str(tmp_path), ("install", "-q", "--no-deps", "--force-reinstall", "w.whl"))]
+
+
+# --------------------------------------------------------------------------- the anti-skip rules
+# scripts/envs.py fails an environment (1) whose pytest run collects no tests (exit 5) and (2) in
+# which a declared upstream has no passed test, per the report tests/conftest.py writes. These
+# tests run real pytest processes (this interpreter) on a throw-away project: its envs/envs.toml,
+# the real tests/conftest.py copied beside a few tiny test files. Only the venv build and the
+# wheel are left out (they install into the shared venvs).
+
+# transformers: an upstream every environment that runs tests/unit has (main), and the cheapest
+# to import (~2 s; need() imports a declared upstream).
+UPSTREAM = "transformers"
+
+ANTI_SKIP_PROJECT = {
+    "envs/envs.toml": f"""
+[empty]
+python = "3.11"
+upstreams = []
+tests = ["tests/empty"]
+
+[skipped]
+python = "3.11"
+upstreams = ["{UPSTREAM}"]
+tests = ["tests/both", "--ignore=tests/both/test_needs_and_passes.py"]
+
+[undeclared]
+python = "3.11"
+upstreams = ["{UPSTREAM}"]
+tests = ["tests/plain"]
+
+[covered]
+python = "3.11"
+upstreams = ["{UPSTREAM}"]
+tests = ["tests/both"]
+parts = [["tests/both/test_needs_and_passes.py"]]
+""",
+    "tests/empty/test_collects_nothing.py": "def helper():  # not a test\n    return 1\n",
+    "tests/both/test_needs_and_skips.py": f"""
+import pytest
+from conftest import need
+
+
+def test_plain():
+    assert True
+
+
+def test_needs_then_skips():
+    need("{UPSTREAM}")
+    pytest.skip("skipped after need()")
+""",
+    "tests/both/test_needs_and_passes.py": f"""
+from conftest import need
+
+
+def test_needs_and_passes():
+    need("{UPSTREAM}")
+""",
+    "tests/plain/test_plain_only.py": "def test_passes_without_need():\n    assert True\n",
+}
+
+
+@pytest.fixture
+def anti_skip_project(tmp_path, monkeypatch):
+    """scripts/envs.py pointed at a throw-away project (``ROOT``, ``ENVS_DIR``) whose venv is a
+    wrapper around this interpreter; its log lines are collected in ``envs.logged``."""
+    import shutil
+    import sys
+
+    envs = _envs_module()
+    for rel, text in ANTI_SKIP_PROJECT.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "tests" / "conftest.py")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    monkeypatch.setattr(envs, "ROOT", str(tmp_path))
+    monkeypatch.setattr(envs, "ENVS_DIR", str(tmp_path / "envs"))
+    monkeypatch.setattr(envs, "build_wheel", lambda: str(tmp_path / "replay_plugin-0-py3-none-any.whl"))
+    monkeypatch.setattr(envs, "_venv_with_wheel", lambda name, wheel: str(venv))
+    envs.logged = []
+    monkeypatch.setattr(envs, "log", envs.logged.append)
+    monkeypatch.setenv("REPLAY_TEST_JOBS", "2")
+    # the venvs' pytest plugins (hypothesis, ...) cost ~2 s per pytest start; these runs need none
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    envs.venv = str(venv)
+    return envs
+
+
+def _verdicts(envs) -> dict[str, str]:
+    """Each environment's summary line of ``run_tests`` (``name: passed (...)`` / ``name: FAILED (...)``)."""
+    out = {}
+    for line in envs.logged:
+        m = re.match(r"(\w+): (passed|FAILED \(.*\)) \(\d+ s of pytest runs\)$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_an_environment_whose_pytest_run_collects_no_tests_fails(anti_skip_project):
+    """Rule 1: pytest's exit 5 (no tests collected) fails the run and the environment, although
+    nothing failed and the environment declares no upstream."""
+    envs = anti_skip_project
+    cfg = envs.config()
+    problems, report = envs._run_pytest("empty", "empty", envs.venv, "w.whl", cfg, cfg["empty"]["tests"], [], None)
+    assert problems == ["empty: pytest collected no tests (exit 5)"]
+    with open(report) as fh:
+        assert json.load(fh) == {"env": "empty", "exitstatus": 5, "upstreams": {}}  # conftest.py ran
+    assert envs.run_tests(["empty"], []) == 1
+    assert _verdicts(envs) == {"empty": "FAILED (empty: pytest collected no tests (exit 5))"}
+
+
+def test_an_environment_fails_when_a_declared_upstream_has_no_passed_test(anti_skip_project):
+    """Rule 2, from the report tests/conftest.py writes: pytest passes in each environment, but
+    the declared upstream's only test skipped after need() (``skipped``) or no test need()s it
+    (``undeclared``); ``covered`` runs that skipped test in one pytest process and a passing
+    one in another (``parts``): the counts are summed and it passes."""
+    envs = anti_skip_project
+    assert envs.run_tests(["skipped", "undeclared", "covered"], []) == 1
+    assert _verdicts(envs) == {
+        "skipped": f"FAILED (upstream {UPSTREAM}: no test passed (1 skipped, 0 failed))",
+        "undeclared": f"FAILED (upstream {UPSTREAM}: no test declared it with need())",
+        "covered": "passed",
+    }
+    counts = [line for line in envs.logged if line.startswith("[covered] tests per upstream")]
+    assert counts == [f"[covered] tests per upstream: {UPSTREAM} 1 passed/1 skipped/0 failed"]
+
+
+def test_the_upstream_rule_is_reported_not_enforced_for_a_subset(anti_skip_project):
+    """-k selects a subset: the upstream rule is logged, not enforced; an output option (-q)
+    selects nothing and the rule holds."""
+    envs = anti_skip_project
+    assert envs.run_tests(["undeclared"], ["-q"]) == 1
+    assert _verdicts(envs) == {"undeclared": f"FAILED (upstream {UPSTREAM}: no test declared it with need())"}
+    envs.logged.clear()
+    assert envs.run_tests(["undeclared"], ["-k", "not nothing_matches_this"]) == 0
+    assert _verdicts(envs) == {"undeclared": "passed"}
+    assert f"[undeclared] not enforced (the pytest arguments select a subset): upstream {UPSTREAM}: " in "\n".join(
+        envs.logged
+    )
+
+
+def test_upstream_reports_are_summed_and_a_missing_report_fails(tmp_path):
+    envs = _envs_module()
+    envs.log = lambda msg: None
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"upstreams": {"vllm": {"passed": 0, "skipped": 2, "failed": 0}}}))
+    b.write_text(json.dumps({"upstreams": {"vllm": {"passed": 1, "skipped": 0, "failed": 1}}}))
+    counts, problems = envs.read_upstream_counts([str(a), str(b)])
+    assert counts == {"vllm": {"passed": 1, "skipped": 2, "failed": 1}} and problems == []
+    assert envs.upstream_failures("e", [str(a), str(b)], ["vllm"]) == []
+    assert envs.upstream_failures("e", [str(a)], ["vllm"]) == ["upstream vllm: no test passed (2 skipped, 0 failed)"]
+    missing = envs.upstream_failures("e", [str(a), str(tmp_path / "none.json")], ["vllm"])
+    assert len(missing) == 1 and missing[0].startswith("no upstream report from pytest"), missing
+
+
+def test_conftest_pins_are_the_environments_pins():
+    """tests/conftest.py's ``pinned`` (what need_module() decides on) reads every environment's
+    pins as this module does, overlays included."""
+    from conftest import pinned
+
+    envs, locks, _ = _load()
+    for env in envs:
+        assert pinned(env) == locks[env], env
+    assert "ray" in pinned("main") and "ray" not in pinned("py312")
+    with pytest.raises(ValueError, match="REPLAY_TEST_ENV='nope' is not an environment"):
+        pinned("nope")
+
+
+def test_need_module_fails_where_the_environment_pins_the_distribution(monkeypatch):
+    """``need_module`` is ``importorskip`` outside the environments that pin the distribution;
+    where one does (main pins ray), an import that fails is an error, not a skip. A module that
+    does not exist stands for a missing or broken install of the pinned distribution."""
+    from conftest import need_module
+
+    broken = "replay_tests_no_such_module"
+    monkeypatch.setenv("REPLAY_TEST_ENV", "main")
+    with pytest.raises(ModuleNotFoundError, match=broken):
+        need_module(broken, distribution="ray")
+    assert need_module("json", distribution="ray").__name__ == "json"
+    for env in ("py312", None):  # ray not pinned; no test environment: importability decides
+        if env is None:
+            monkeypatch.delenv("REPLAY_TEST_ENV")
+        else:
+            monkeypatch.setenv("REPLAY_TEST_ENV", env)
+        with pytest.raises(pytest.skip.Exception):
+            need_module(broken, distribution="ray")

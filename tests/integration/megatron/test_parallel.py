@@ -14,8 +14,10 @@ recompute of microbatches 2 and 3 replays microbatches 0 and 1; the driver insta
 Phase 3, tensor parallel with sequence parallelism (TP=2, SP): each rank's routers see half of
 the sequence; the driver slices the routes to it. On a pipeline stage that does not start the
 model (``pre_process=False``), ``GPTModel`` does not scatter ``padding_mask`` for sequence
-parallelism: the full mask breaks the MoE layer upstream, the driver hands over the rank's
-shard and the expert-bias counts match the valid tokens.
+parallelism: the full mask makes the router's expert-bias token count raise a RuntimeError
+(a broadcasting error: the mask's B * A entries against the rank's B * A / 2 tokens), stock
+and with the plugin's expert-bias fix alike; the driver hands over the rank's shard and the
+expert-bias counts match the valid tokens.
 """
 
 from __future__ import annotations
@@ -177,6 +179,9 @@ def _virtual_pipeline(rank: int) -> dict:
 
 
 def _sequence_parallel(rank: int) -> dict:
+    import contextlib
+    import traceback
+
     import cpu_shims
     import torch
     from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -217,25 +222,38 @@ def _sequence_parallel(rank: int) -> dict:
     # a later stage (pre_process=False): hidden states arrive already sharded [A / tp, B, H]
     later = harness.build_model(pre_process=False, **sp)
     hidden = torch.randn(a // 2, B, 16, generator=torch.Generator().manual_seed(rank))
-    full = layout.align(~attention, True)
-    for label, mask in (("upstream_full_mask", full), ("driver_mask", None)):
+
+    def counts_after(mask) -> list:
         for _, r in harness.routers(later):
             r.local_tokens_per_expert.zero_()
+        later.set_input_tensor(hidden)
+        later(None, None, harness.causal_mask(a), padding_mask=mask).float().mean().backward()
+        return [float(r.local_tokens_per_expert.sum()) for _, r in harness.routers(later)]
+
+    # The full [B, A] mask against the rank's [A / 2, B] tokens: stock upstream (every plugin patch
+    # off), then with the plugin's expert-bias fix (megatron.expert_bias_padding_mask) applied.
+    # Only the expected RuntimeError is caught; any other exception fails this rank.
+    full = layout.align(~attention, True)
+    for label, off in (("upstream_full_mask", harness.MEGATRON_PATCHES), ("full_mask_bias_fixed", ())):
         try:
-            if mask is None:
-                replay = replay_routes(later, routes, ~attention, layout)
-                mask = replay.padding_mask
-            later.set_input_tensor(hidden)
-            later(None, None, harness.causal_mask(a), padding_mask=mask).float().mean().backward()
+            with contextlib.ExitStack() as stack:
+                for name in off:
+                    stack.enter_context(harness.patch_off(name))
+                out[label] = {"error": None, "counts": counts_after(full)}
+        except RuntimeError as exc:
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
             out[label] = {
-                "error": None,
-                "mask_shape": list(mask.shape),
-                "counts": [float(r.local_tokens_per_expert.sum()) for _, r in harness.routers(later)],
+                "error": type(exc).__name__,
+                "message": str(exc),
+                "raised_in": [frame.filename.split("site-packages/")[-1], frame.name],
             }
-        except Exception as exc:  # noqa: BLE001
-            out[label] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}", "mask_shape": list(mask.shape)}
         RouterReplay.clear_global_indices()
         RouterReplay.clear_global_router_replay_action()
+
+    replay = replay_routes(later, routes, ~attention, layout)
+    out["driver_mask"] = {"mask_shape": list(replay.padding_mask.shape), "counts": counts_after(replay.padding_mask)}
+    RouterReplay.clear_global_indices()
+    RouterReplay.clear_global_router_replay_action()
     out["local_valid_tokens"] = int(local_rows.sum())
     return out
 
@@ -286,6 +304,19 @@ def test_pipeline_and_sequence_parallel():
 
         sp = res["sequence_parallel"]
         assert sp["first_stage_mask_shape"] == [B, S] and sp["first_stage_ok"]
-        assert sp["upstream_full_mask"]["error"] is not None  # [B, A] mask against [A / 2, B] tokens
-        assert sp["driver_mask"]["error"] is None and sp["driver_mask"]["mask_shape"] == [B, S // 2]
+        # The full [B, A] mask (B * S entries) against the rank's B * S / 2 tokens. Stock upstream
+        # raises in the router's expert-bias token count (``routing_map & ~padding_mask``); on the
+        # released 0.16-0.19 on the expert dimension ("tensor a (4) ... dimension 1": the [tokens]
+        # mask is not broadcast over experts, the bug megatron.expert_bias_padding_mask fixes), so
+        # only the mask's size is asserted. With that fix the token counts clash (8 against 16).
+        stock, fixed = sp["upstream_full_mask"], sp["full_mask_bias_fixed"]
+        assert stock["error"] == "RuntimeError", stock
+        assert f"must match the size of tensor b ({B * S})" in stock["message"], stock
+        assert stock["raised_in"][0].endswith("megatron/core/transformer/moe/router.py"), stock
+        assert stock["raised_in"][1] == "_apply_expert_bias", stock
+        assert fixed["error"] == "RuntimeError", fixed
+        tokens, entries = B * S // 2, B * S
+        clash = f"tensor a ({tokens}) must match the size of tensor b ({entries}) at non-singleton dimension 0"
+        assert fixed["message"] == f"The size of {clash}", fixed
+        assert sp["driver_mask"]["mask_shape"] == [B, S // 2]
         assert sp["driver_mask"]["counts"] == [sp["local_valid_tokens"] * K] * 2
