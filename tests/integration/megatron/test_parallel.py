@@ -14,10 +14,10 @@ recompute of microbatches 2 and 3 replays microbatches 0 and 1; the driver insta
 Phase 3, tensor parallel with sequence parallelism (TP=2, SP): each rank's routers see half of
 the sequence; the driver slices the routes to it. On a pipeline stage that does not start the
 model (``pre_process=False``), ``GPTModel`` does not scatter ``padding_mask`` for sequence
-parallelism: the full mask makes the router's expert-bias token count raise a RuntimeError
-(a broadcasting error: the mask's B * A entries against the rank's B * A / 2 tokens), stock
-and with the plugin's expert-bias fix alike; the driver hands over the rank's shard and the
-expert-bias counts match the valid tokens.
+parallelism: the full mask makes the router's expert-bias token count raise a RuntimeError stock (a
+broadcasting error: the mask's B * A entries against the rank's B * A / 2 tokens) and, with the
+plugin's expert-bias fix, a ReplayDataError naming both sizes; the driver hands over the rank's
+shard and the expert-bias counts match the valid tokens.
 """
 
 from __future__ import annotations
@@ -232,7 +232,10 @@ def _sequence_parallel(rank: int) -> dict:
 
     # The full [B, A] mask against the rank's [A / 2, B] tokens: stock upstream (every plugin patch
     # off), then with the plugin's expert-bias fix (megatron.expert_bias_padding_mask) applied.
-    # Only the expected RuntimeError is caught; any other exception fails this rank.
+    # Only the expected errors are caught (stock: RuntimeError; the fix: ReplayDataError); any
+    # other exception fails this rank.
+    from replay_plugin.core.errors import ReplayDataError
+
     full = layout.align(~attention, True)
     for label, off in (("upstream_full_mask", harness.MEGATRON_PATCHES), ("full_mask_bias_fixed", ())):
         try:
@@ -240,7 +243,7 @@ def _sequence_parallel(rank: int) -> dict:
                 for name in off:
                     stack.enter_context(harness.patch_off(name))
                 out[label] = {"error": None, "counts": counts_after(full)}
-        except RuntimeError as exc:
+        except (RuntimeError, ReplayDataError) as exc:
             frame = traceback.extract_tb(exc.__traceback__)[-1]
             out[label] = {
                 "error": type(exc).__name__,
@@ -308,15 +311,16 @@ def test_pipeline_and_sequence_parallel():
         # raises in the router's expert-bias token count (``routing_map & ~padding_mask``); on the
         # released 0.16-0.19 on the expert dimension ("tensor a (4) ... dimension 1": the [tokens]
         # mask is not broadcast over experts, the bug megatron.expert_bias_padding_mask fixes), so
-        # only the mask's size is asserted. With that fix the token counts clash (8 against 16).
+        # only the mask's size is asserted. With that fix the mask is refused by size (16 flags for
+        # the rank's 8 tokens).
         stock, fixed = sp["upstream_full_mask"], sp["full_mask_bias_fixed"]
         assert stock["error"] == "RuntimeError", stock
         assert f"must match the size of tensor b ({B * S})" in stock["message"], stock
         assert stock["raised_in"][0].endswith("megatron/core/transformer/moe/router.py"), stock
         assert stock["raised_in"][1] == "_apply_expert_bias", stock
-        assert fixed["error"] == "RuntimeError", fixed
+        assert fixed["error"] == "ReplayDataError", fixed
         tokens, entries = B * S // 2, B * S
-        clash = f"tensor a ({tokens}) must match the size of tensor b ({entries}) at non-singleton dimension 0"
-        assert fixed["message"] == f"The size of {clash}", fixed
+        assert f"shape [{entries}] for a routing map of {tokens} tokens" in fixed["message"], fixed
+        assert fixed["raised_in"][1] == "_apply_expert_bias", fixed  # the plugin's wrapper
         assert sp["driver_mask"]["mask_shape"] == [B, S // 2]
         assert sp["driver_mask"]["counts"] == [sp["local_valid_tokens"] * K] * 2
