@@ -62,3 +62,10 @@ class NotReplayable(ValueError):
         super().__init__(message)
         self.setting = setting
         self.value = value
+
+
+class RouteSanityWarning(UserWarning):
+    """Recorded routes that are possible but look broken (a layer routing every token of a batch
+    to the same experts, a top-1 trajectory all on expert 0). ``-W error::replay_plugin.core.
+    errors.RouteSanityWarning`` (or ``warnings.simplefilter("error", RouteSanityWarning)``) makes
+    them errors."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError, RouteSanityWarning
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,7 @@ __all__ = [
     "select_layers",
     "split_for_replay",
     "local_replay_data",
+    "check_route_sanity",
 ]
 
 #: The compact route dtypes, narrowest first.
@@ -474,3 +475,79 @@ def local_replay_data(routes: ArrayLike, layer_indices: Sequence[int] | ArrayLik
     _check_routes(routes)
     idx = _layer_index_array(layer_indices, int(routes.shape[-2]))
     return _layers_first_int32(_as_torch(routes), idx.tolist())
+
+
+#: From this many valid tokens on, a layer that routes every one of them to the same experts is
+#: reported (fewer can agree by chance in a small test batch).
+CONSTANT_LAYER_MIN_TOKENS = 16
+
+
+def check_route_sanity(
+    routes: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    layer_names: Sequence[Any] | None = None,
+    field: str = "routes",
+) -> None:
+    """Refuse or report recorded routes that are well-formed but look broken, before replay.
+
+    Failures users report from RL stacks (verl, SkyRL, vLLM issues): a MoE kernel that returns
+    zeros where it recorded nothing, and capture that repeats one token's routes for a whole
+    batch. Checked on ``routes``' device with one host sync when nothing is found:
+
+    - a trajectory whose every valid token has expert 0 in every slot of every layer: refused
+      (``ReplayDataError`` naming the trajectory) when top-k >= 2, since a token's K experts are
+      distinct; reported (``RouteSanityWarning``) when top-k is 1;
+    - a layer in which every valid token of the batch (at least
+      :data:`CONSTANT_LAYER_MIN_TOKENS` of them) has the same set of experts: reported
+      (``RouteSanityWarning`` naming the layer and the experts); a collapsed router does this too.
+
+    Args:
+        routes: ``[B, S, L, K]`` (or ``[T, L, K]``: one trajectory) integer expert ids, any
+            compact dtype.
+        valid: ``[B, S]`` (``[T]``) bool, True = the row carries a recorded route (padding and
+            placeholder rows are not checked); None = every row.
+        layer_names: per layer of ``routes``, how messages name it (default: its index).
+        field: the argument name used in messages.
+    """
+    import torch
+
+    one = routes.dim() == 3
+    r = routes.unsqueeze(0) if one else routes  # [B, S, L, K]
+    b, s, layers, k = r.shape
+    if r.numel() == 0:
+        return
+    v = torch.ones(b, s, dtype=torch.bool, device=r.device) if valid is None else valid.reshape(b, s).to(r.device)
+    zero_rows = (r == 0).flatten(2).all(-1)  # [B, S]
+    all_zero = (zero_rows | ~v).all(1) & v.any(1)  # [B]
+    flat = r.sort(dim=-1).values.reshape(b * s, layers, k)
+    vflat = v.reshape(-1)
+    first = flat[vflat.to(torch.uint8).argmax()]  # [L, K]: the first valid row (any row if none)
+    differs = ((flat != first).any(-1) & vflat[:, None]).any(0)  # [L]
+    constant = ~differs & (vflat.sum() >= CONSTANT_LAYER_MIN_TOKENS)
+    found = torch.cat([all_zero, constant])
+    if not bool(found.any()):
+        return
+    names = list(layer_names) if layer_names is not None else list(range(layers))
+    for traj in all_zero.nonzero().flatten().tolist():
+        problem = (
+            f"every recorded route of the trajectory is expert 0 ({int(v[traj].sum())} tokens x {layers} layers "
+            f"x top-{k}): MoE kernels that return zeros where no route was recorded produce this"
+        )
+        if k >= 2:
+            raise ReplayDataError(
+                field,
+                problem,
+                trajectory=None if one else traj,
+                expected=f"{k} distinct experts per token and layer, as the engine's router chose them",
+            )
+        where = "" if one else f"trajectory {traj}: "
+        warnings.warn(f"replay_plugin: {field}: {where}{problem}", RouteSanityWarning, stacklevel=2)
+    for j in constant.nonzero().flatten().tolist():
+        experts = first[j].tolist()
+        warnings.warn(
+            f"replay_plugin: {field}: layer {names[j]} routes all {int(vflat.sum())} valid tokens of the batch to "
+            f"experts {experts}: recorded routes repeated for a whole batch, or a collapsed router",
+            RouteSanityWarning,
+            stacklevel=2,
+        )

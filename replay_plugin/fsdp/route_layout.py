@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..core.errors import ReplayDataError, ReplayTypeError
+from ..core.routes import check_route_sanity
 from .moe_layers import MoeModel
 
 __all__ = ["check_routes", "device_of", "to_model_layout"]
@@ -64,6 +65,8 @@ def check_routes(routes: Any, mask: Any, scan: MoeModel) -> tuple[torch.Tensor, 
     moe = r
     if len(scan.moe_layers) != r.shape[-2]:
         moe = r.index_select(r.dim() - 2, torch.tensor(scan.moe_layers, device=r.device))  # [*tokens, L_moe, K]
+    if moe.dim() in (3, 4):  # [T, L, K] or [B, S, L, K]: trajectories the sanity check can name
+        check_route_sanity(moe, None if m is None else ~m, layer_names=scan.moe_layers)
     bad = (moe >= scan.num_experts).any(-1)
     if moe.dtype.is_signed:
         bad |= (moe < 0).any(-1)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
-from replay_plugin.core.routes import select_layers, split_for_replay
+from replay_plugin.core.routes import check_route_sanity, select_layers, split_for_replay
 from replay_plugin.megatron import router_replay_scope
 from replay_plugin.megatron.groups import groups_of
 
@@ -350,32 +350,37 @@ def _check_mask(mask: Any, batch_shape: tuple[int, int]) -> torch.Tensor:
 
 def _check_expert_ids(sel: torch.Tensor, rows: torch.Tensor, state: _ModelState) -> None:
     """Every id of the rows that carry a route (``rows`` ``[B, S]`` True) in ``[0, num_experts)``
-    (one reduction, so one host sync; located only on failure). Other rows are replaced by the
-    dummy route before installation, whatever they hold."""
+    and distinct within a token's top-k (one reduction, so one host sync; located only on
+    failure). Other rows are replaced by the dummy route before installation, whatever they hold.
+    Megatron's replay gathers the scores at the given ids: the same expert twice would weigh it
+    twice and drop a slot, silently."""
     import torch
 
-    num_experts = state.num_experts
-    if num_experts is None or sel.numel() == 0:
+    if sel.numel() == 0:
         return
-    high = num_experts <= torch.iinfo(sel.dtype).max
-    signed = sel.dtype != torch.uint8
-    if not high and not signed:
-        return  # uint8 ids cannot reach 256+ experts nor go negative
+    num_experts = state.num_experts
+    srt = sel.sort(dim=-1).values
     wrong = torch.zeros_like(sel, dtype=torch.bool)
-    if high:
+    wrong[..., 1:] = srt[..., 1:] == srt[..., :-1]
+    if num_experts is not None and num_experts <= torch.iinfo(sel.dtype).max:
         wrong |= sel >= num_experts
-    if signed:
+    if sel.dtype != torch.uint8:
         wrong |= sel < 0
     wrong &= rows[:, :, None, None]
     if bool(wrong.any()):
         b, s, layer, k = (int(v) for v in wrong.nonzero()[0])
-        raise ReplayDataError(
-            "routes",
-            f"expert id {int(sel[b, s, layer, k])} in layer {state.layer_numbers[layer]}",
-            trajectory=b,
-            token=s,
-            expected=f"ids in [0, {num_experts})",
-        )
+        row = sel[b, s, layer].tolist()
+        if len(set(row)) < len(row):
+            problem, expected = (
+                f"the same expert twice in layer {state.layer_numbers[layer]}: {row}",
+                (f"{len(row)} distinct experts per token and layer"),
+            )
+        else:
+            problem, expected = (
+                f"expert id {int(sel[b, s, layer, k])} in layer {state.layer_numbers[layer]}",
+                f"ids in [0, {num_experts})",
+            )
+        raise ReplayDataError("routes", problem, trajectory=b, token=s, expected=expected)
 
 
 _fallback_warned = False
@@ -596,7 +601,9 @@ def _local_replay_data(
         )
     selected: torch.Tensor = select_layers(routes, local)  # compact [B, S, L_local, K]
     selected = selected.to(device, non_blocking=True)
-    _check_expert_ids(selected, layout.attention_mask & ~mask, state)
+    recorded = layout.attention_mask & ~mask  # [B, S]: rows that carry a route
+    check_route_sanity(selected, recorded, layer_names=state.layer_numbers)
+    _check_expert_ids(selected, recorded, state)
     topk = selected.shape[-1]
     dummy = torch.arange(topk, dtype=selected.dtype, device=device)
     aligned = shard.local(layout.align(selected, dummy))  # [rows, length_local, L_local, K]

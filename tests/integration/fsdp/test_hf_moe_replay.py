@@ -533,6 +533,83 @@ def test_an_integer_router_padding_mask_is_refused_not_read_inverted():
         model(input_ids=_ids(), use_cache=False)
 
 
+def test_broken_routes_are_refused_or_reported_by_layer_and_trajectory():
+    """All-zero routes (MoE kernels that return zeros where nothing was recorded) are refused
+    naming the trajectory; a layer routing the whole batch to one expert set is reported."""
+    import warnings
+
+    import torch
+
+    from replay_plugin.core.errors import ReplayDataError, RouteSanityWarning
+    from replay_plugin.fsdp import replay_routes
+
+    model = H.build("qwen3_moe")
+    L = model.config.num_hidden_layers
+    routes = random_routes((2, 8), L, seed=5)
+    zero = routes.clone()
+    zero[1] = 0
+    with pytest.raises(ReplayDataError, match=r"every recorded route of the trajectory is expert 0") as info:
+        replay_routes(model, zero)
+    assert info.value.trajectory == 1
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[1] = True  # placeholder rows only: not checked
+    replay_routes(model, zero, mask)
+    constant = routes.clone()
+    constant[:, :, 2] = torch.tensor([6, 2], dtype=torch.uint8)  # layer 1 is dense (mlp_only_layers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with replay_routes(model, constant):
+            model(input_ids=_ids(shape=(2, 8)), use_cache=False)
+    assert [str(w.message) for w in caught if issubclass(w.category, RouteSanityWarning)] == [
+        "replay_plugin: routes: layer 2 routes all 16 valid tokens of the batch to experts [2, 6]: recorded routes "
+        "repeated for a whole batch, or a collapsed router"
+    ]
+
+
+def test_padding_rows_keep_their_own_routing():
+    """A left-padded batch whose padding rows hold pad_batch's placeholder route [0, 1]: without
+    the router padding mask they are all replayed onto experts 0 and 1; with it they keep the
+    model's own routing, so their per-expert counts are a stock forward's. (Identical pad tokens
+    route identically in a stock forward too: how they spread is the model's, not replay's.)"""
+    import torch
+
+    from replay_plugin.core.routes import pad_batch
+    from replay_plugin.fsdp import replay_routes
+
+    family = "qwen3_moe"
+    model = H.build(family)
+    L = model.config.num_hidden_layers
+    shape = (2, 12)
+    attention = torch.ones(shape, dtype=torch.long)
+    attention[0, :8] = 0  # 8 left-padding tokens
+    ids = _ids(seed=3, shape=shape) * attention  # pad id 0
+    recorded = random_routes(shape, L, seed=6)
+    routes, mask = pad_batch([recorded[0, 8:].numpy(), recorded[1].numpy()], attention)
+    routes = torch.as_tensor(routes)
+    pad = ~attention.bool()
+    assert torch.equal(torch.as_tensor(mask), pad) and (routes[pad] == torch.tensor([0, 1], dtype=routes.dtype)).all()
+    _, stock = _stock(model, family, ids, attention_mask=attention)
+    moe = stock.layers()
+
+    def padding_counts(spy):
+        got = spy.routes(L, shape)[pad]  # [8, L, K]: the padding rows
+        return [torch.bincount(got[:, layer].flatten(), minlength=H.NUM_EXPERTS).tolist() for layer in moe]
+
+    def replayed(router_padding_mask):
+        spy = ExpertsSpy(model, family)
+        with torch.no_grad(), replay_routes(model, routes, router_padding_mask):
+            model(input_ids=ids, attention_mask=attention, use_cache=False)
+        spy.remove()
+        return spy
+
+    dummy = [[8, 8] + [0] * (H.NUM_EXPERTS - 2)] * len(moe)
+    assert padding_counts(replayed(None)) == dummy  # the problem: every padding row on experts 0 and 1
+    with_mask = replayed(torch.as_tensor(mask))
+    assert padding_counts(with_mask) == padding_counts(stock) != dummy
+    first = moe[0]  # the first MoE layer's rows exactly as a stock forward routes them
+    assert torch.equal(with_mask.routes(L, shape)[pad][:, first], stock.routes(L, shape)[pad][:, first])
+
+
 def test_unknown_family_and_kernel_paths_are_refused_by_name():
     import types
 

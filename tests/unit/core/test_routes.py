@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replay_plugin.core import routes
-from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError, RouteSanityWarning
 from replay_plugin.core.layout import TokenMetadataLayout
 
 
@@ -207,3 +207,72 @@ def test_routes_imports_no_torch_and_core_no_framework() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _distinct_routes(b: int, s: int, layers: int, experts: int = 8, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randint(0, experts, (b, s, layers), generator=g)
+    return torch.stack([first, (first + 1) % experts], -1).to(torch.uint8)  # [B, S, L, 2], distinct
+
+
+def test_route_sanity_passes_real_looking_routes_without_warning(recwarn) -> None:
+    routes.check_route_sanity(_distinct_routes(2, 20, 3))
+    routes.check_route_sanity(_distinct_routes(1, 40, 2)[0])  # [T, L, K]
+    assert not [w for w in recwarn if issubclass(w.category, RouteSanityWarning)]
+
+
+def test_an_all_zero_trajectory_is_refused_naming_it() -> None:
+    r = _distinct_routes(3, 20, 3)
+    r[2] = 0
+    with pytest.raises(ReplayDataError, match="every recorded route of the trajectory is expert 0") as info:
+        routes.check_route_sanity(r)
+    assert (info.value.field, info.value.trajectory) == ("routes", 2)
+    valid = torch.ones(3, 20, dtype=torch.bool)
+    valid[2] = False  # the trajectory's rows are placeholders: not checked
+    routes.check_route_sanity(r, valid)
+    valid[2, :4] = True  # some recorded rows, zero: refused
+    with pytest.raises(ReplayDataError, match=r"\(4 tokens x 3 layers x top-2\)"):
+        routes.check_route_sanity(r, valid)
+
+
+def test_an_all_zero_top1_trajectory_is_reported() -> None:
+    r = _distinct_routes(2, 20, 3)[..., :1]
+    r[0] = 0
+    with pytest.warns(RouteSanityWarning, match="trajectory 0: every recorded route"):
+        routes.check_route_sanity(r)
+
+
+def test_a_layer_constant_across_the_batch_is_reported_naming_the_layer() -> None:
+    r = _distinct_routes(2, 9, 3)
+    r[:, :, 1] = torch.tensor([5, 3], dtype=torch.uint8)  # the same experts, in either order
+    r[1, 4, 1] = torch.tensor([3, 5], dtype=torch.uint8)
+    with pytest.warns(RouteSanityWarning, match=r"layer 7 routes all 18 valid tokens of the batch to experts \[3, 5\]"):
+        routes.check_route_sanity(r, layer_names=[6, 7, 8])
+    r[0, 0, 1] = torch.tensor([0, 1], dtype=torch.uint8)  # one token differs: not constant
+    routes.check_route_sanity(r)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[0, 0] = False  # ... unless it is a placeholder row
+    with pytest.warns(RouteSanityWarning, match="layer 1 routes all 17 valid"):
+        routes.check_route_sanity(r, valid)
+
+
+def test_a_constant_layer_in_a_small_batch_is_not_reported(recwarn) -> None:
+    r = _distinct_routes(1, routes.CONSTANT_LAYER_MIN_TOKENS - 1, 2)
+    r[..., 0, :] = torch.tensor([1, 2], dtype=torch.uint8)
+    routes.check_route_sanity(r)
+    assert not [w for w in recwarn if issubclass(w.category, RouteSanityWarning)]
+
+
+def test_route_sanity_synchronises_once_when_nothing_is_found(monkeypatch) -> None:
+    calls = []
+    real = torch.Tensor.__bool__
+
+    def counting(self):
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "__bool__", counting)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("item() called"))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("tolist() called"))
+    routes.check_route_sanity(_distinct_routes(4, 32, 4))
+    assert len(calls) == 1
