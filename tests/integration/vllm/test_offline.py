@@ -113,6 +113,40 @@ def test_engine_fitted_only_for_jobs_that_opt_in(tie_model, monkeypatch, caplog)
     assert any("engine configuration changed" in e for e in states.events())
 
 
+def test_fitted_max_logprobs_never_exceeds_the_vocabulary(tie_model, monkeypatch):
+    """A fitted engine gets ``max_logprobs`` raised to MAX_WIDTH, capped at the vocabulary: vLLM
+    checks a request's ``logprobs`` against ``max_logprobs`` only, so above the vocabulary a
+    plain ``logprobs`` request larger than the vocabulary passed vLLM's check and reached the
+    sampler's ``topk`` over the vocabulary (the worker raises there and the engine dies). A
+    caller's own ``max_logprobs`` above the vocabulary stays as vLLM takes it. No engine is
+    started: the configuration and vLLM's own request check are what change."""
+    need("vllm")
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
+
+    import replay_plugin
+
+    replay_plugin.activate()
+    monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", "opt-in")
+    monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH", "4096")
+
+    def config(**kw):
+        kw = dict(model=tie_model, dtype="float32", enforce_eager=True, max_model_len=256, **kw)
+        return EngineArgs(**kw).create_engine_config().model_config
+
+    fitted = config()
+    vocab = fitted.get_vocab_size()
+    assert vocab < 4096
+    assert (fitted.logprobs_mode, fitted.max_logprobs) == ("processed_logprobs", vocab)
+    SamplingParams(logprobs=vocab)._validate_logprobs(fitted)  # the whole vocabulary: accepted
+    with pytest.raises(VLLMValidationError, match=f"greater than max allowed: {vocab}"):
+        SamplingParams(logprobs=vocab + 1)._validate_logprobs(fitted)  # refused before any compute
+    assert config(max_logprobs=1000).max_logprobs == 1000  # the caller's own value: vLLM's business
+    monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH", "64")
+    assert config().max_logprobs == 64  # below the vocabulary: unchanged rule
+
+
 # --------------------------------------------------------------------------- exact support
 
 
@@ -355,6 +389,31 @@ def test_refused_before_compute_naming_the_setting(llm):
         finally:
             setattr(model_config, attr, saved)
     assert engine.model_config.max_logprobs == MAX_LOGPROBS
+
+
+def test_full_vocabulary_logprobs_with_capture(llm):
+    """``logprobs=-1`` (the whole vocabulary, as vLLM reads it for the request and for
+    ``max_logprobs``) with capture: the front end admitted it and the engine core refused it
+    (it compared -1 with max_logprobs as if larger than any limit). Now it is captured, and the
+    user gets vLLM's full rows, as stock vLLM returns them to the same request."""
+    from replay_plugin.vllm import support_of
+
+    kw = dict(top_k=5, logprobs=-1, flat_logprobs=True, detokenize=False, max_tokens=4, extra_args=OPT_IN)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    assert vocab <= llm.llm_engine.model_config.max_logprobs  # vLLM accepts -1 here
+    with stock_vllm():
+        stock = _generate(llm, _params(n=2, **kw))
+    outs = _generate(llm, _params(n=2, **kw))
+    for s, out in zip(stock, outs):
+        assert out.finish_reason == "length", out
+        rows = support_of(out)
+        assert len(rows) == len(out.token_ids) == 4 and rows.exact.all()
+        assert list(out.token_ids) == list(s.token_ids)
+        for (ids, lps), (stock_ids, _), members in zip(_flat_rows(out.logprobs), _flat_rows(s.logprobs), rows.ids):
+            assert len(ids) == vocab + 1  # the sampled token, then every vocabulary id
+            assert set(ids[1:].tolist()) == set(stock_ids[1:].tolist()) == set(range(vocab))
+            finite = {int(t) for t, lp in zip(ids[1:], lps[1:]) if np.isfinite(lp)}
+            assert finite == set(members[members >= 0].tolist())
 
 
 def test_job_wide_opt_in(llm, monkeypatch):
