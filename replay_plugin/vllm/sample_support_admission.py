@@ -13,7 +13,7 @@ from typing import Any
 from .. import states
 from ..core.sampler import check_replayable
 from . import batch_rows, options
-from .refusal import SampleSupportRefused, refusal
+from .refusal import VLLM_TEMPERATURE_FLOOR, SampleSupportRefused, refusal, temperature_fix
 from .sample_support_capture import count_request
 
 __all__ = ["SampleSupportRefused", "plan_request"]
@@ -135,6 +135,7 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
             "temperature",
             params.temperature,
         )
+    _check_temperature(params.temperature, where)
     top_k = params.top_k
     width = _support_width(top_k, slack, model_config)
     try:
@@ -169,6 +170,13 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
         "native": native,
         "batch": not native,
     }
+
+
+def _check_temperature(temperature: Any, where: str) -> None:
+    """Refuse vLLM's floor temperature (0.01): it may be a raised smaller value (see
+    ``refusal.VLLM_TEMPERATURE_FLOOR``)."""
+    if isinstance(temperature, (int, float)) and temperature == VLLM_TEMPERATURE_FLOOR:
+        raise refusal(f"{where} but {temperature_fix(temperature)}", "temperature", temperature)
 
 
 def _opts_in(extra: dict | None) -> bool:

@@ -391,6 +391,35 @@ def test_refused_before_compute_naming_the_setting(llm):
     assert engine.model_config.max_logprobs == MAX_LOGPROBS
 
 
+def test_temperature_vllm_raises_to_its_floor_is_refused(llm):
+    """vLLM's SamplingParams raises every temperature in (0, 0.01) to 0.01 when it is built (a
+    log line, nothing else): stock, a captured request asking 0.005 got rows computed at 0.01
+    and nothing said so. The value asked cannot be seen after that, so capture refuses 0.01
+    itself (naming temperature, its value and the fix); just above it is captured."""
+    from vllm import SamplingParams
+
+    from replay_plugin.vllm import support_of
+    from replay_plugin.vllm.sample_support import SampleSupportRefused
+
+    asked = SamplingParams(temperature=0.005, top_k=5, max_tokens=3, extra_args=OPT_IN)
+    assert asked.temperature == 0.01  # upstream: raised, silently for the caller
+    with stock_vllm():
+        assert len(_generate(llm, [asked])[0].token_ids) == 3  # stock serves it at 0.01
+    for temperature in (0.005, 0.0099, 0.01):
+        params = SamplingParams(temperature=temperature, top_k=5, max_tokens=3, extra_args=OPT_IN)
+        with pytest.raises(SampleSupportRefused) as info:
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert info.value.setting == "temperature"
+        message = str(info.value)
+        assert "'temperature'=0.01" in message and "raises every temperature in (0, 0.01)" in message
+        assert "use a temperature > 0.01" in message
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    out = _generate(llm, [SamplingParams(temperature=0.0101, top_k=5, max_tokens=3, extra_args=OPT_IN)])[0]
+    assert support_of(out).exact.all()
+    # not captured: vLLM's behaviour, untouched
+    assert len(_generate(llm, [SamplingParams(temperature=0.005, top_k=5, max_tokens=3)])[0].token_ids) == 3
+
+
 def test_full_vocabulary_logprobs_with_capture(llm):
     """``logprobs=-1`` (the whole vocabulary, as vLLM reads it for the request and for
     ``max_logprobs``) with capture: the front end admitted it and the engine core refused it
