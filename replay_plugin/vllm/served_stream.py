@@ -129,14 +129,19 @@ class StreamReplay:
         self, chunks: AsyncIterator[str], takes_rows: Callable[[dict], bool] = lambda choice: True
     ) -> AsyncIterator[str]:
         """``chunks`` with each choice's replay fields on its next chunk that carries tokens."""
+        failed = False
         async for chunk in chunks:
-            if chunk.startswith(_DATA + '{"error"') and (self.rows or self.routes):
-                log.warning(
-                    "replay_plugin: the stream reported an error; replay data of choices %s not sent",
-                    sorted(set(self.rows) | set(self.routes)),
-                )
-                self.rows.clear()
-                self.routes.clear()
+            if failed or chunk.startswith(_DATA + '{"error"'):
+                if self.rows or self.routes:
+                    log.warning(
+                        "replay_plugin: the stream reported an error; replay data of choices %s not sent",
+                        sorted(set(self.rows) | set(self.routes)),
+                    )
+                    self.rows.clear()
+                    self.routes.clear()
+                failed = True
+                yield chunk
+                continue
             if chunk.startswith(_DATA + "[DONE]") and (self.rows or self.routes):
                 for index in sorted(set(self.rows) | set(self.routes)):
                     log.warning("replay_plugin: replay data of choice %d sent in an extra chunk", index)

@@ -66,6 +66,10 @@ def test_rows_of_a_choice_after_an_error_event_are_not_sent():
     assert docs[0]["choices"][0]["sample_support"] and docs[0]["choices"][0]["sampling_mask"] == [[5]]
     assert "choices" not in docs[1]  # the error event, untouched; nothing of choice 1 anywhere
     assert decode_stream([d for d in docs if "choices" in d])[0].support.sampled.tolist() == [5]
+    # whatever a generator yields after its error event passes through untouched
+    late = _data({"request_id": "r", "choices": [{"index": 1, "token_ids": [7]}]})
+    sent = _run([_output(0, [5]), _output(1, [7])], [*chunks[:2], late, chunks[2]])
+    assert sent[2] == late and len(sent) == 4
 
 
 def test_rows_left_at_the_end_of_a_clean_stream_still_go_out():
