@@ -132,25 +132,44 @@ def decode_stream(chunks: Iterable[Mapping[str, Any]], *, require_support: bool 
     concatenated in order (equal to the rows of the same request unstreamed) and its routes.
 
     ``chunks`` are the parsed JSON objects of the ``data:`` events, in order (the ``[DONE]``
-    marker and error events excluded). Where chunks carry ``token_ids``, their count must equal
-    the rows' (``ReplayDataError`` otherwise). A choice without rows raises
+    marker and error events excluded). In a stream whose chunks carry ``token_ids`` (completions
+    and chats with ``return_token_ids``, ``/inference/v1/generate``), every chunk that carries
+    rows must carry as many token ids as rows, and the rows' sampled ids must be those
+    tokens (``ReplayDataError`` naming the choice and the chunk otherwise: rows without their
+    tokens are rows of tokens the client never got). A choice without rows raises
     ``ReplayDataMissing`` unless ``require_support=False``.
     """
     parts: dict[int, list[SupportRows]] = {}
     routes: dict[int, np.ndarray] = {}
     tokens: dict[int, int] = {}
     seen: list[int] = []
-    for chunk in chunks:
+    unchecked: list[tuple[int, int, int]] = []  # (choice, chunk, rows) of chunks without token_ids
+    for number, chunk in enumerate(chunks):
         for choice in chunk.get("choices") or ():
             index = int(choice.get("index", 0))
             if index not in seen:
                 seen.append(index)
-            if isinstance(choice.get("token_ids"), list):
-                tokens[index] = tokens.get(index, 0) + len(choice["token_ids"])
+            ids = choice.get("token_ids")
+            if isinstance(ids, list):
+                tokens[index] = tokens.get(index, 0) + len(ids)
             if choice.get(SUPPORT_FIELD) is not None:
-                parts.setdefault(index, []).append(decode_support(choice[SUPPORT_FIELD]))
+                chunk_rows = decode_support(choice[SUPPORT_FIELD])
+                if isinstance(ids, list):
+                    _check_chunk_rows(chunk_rows, ids, index, number)
+                else:
+                    unchecked.append((index, number, len(chunk_rows)))
+                parts.setdefault(index, []).append(chunk_rows)
             if choice.get(ROUTES_FIELD) is not None:
                 routes[index] = decode_routes(choice[ROUTES_FIELD])
+    for index, number, count in unchecked:
+        if tokens:  # the stream carries token ids, this chunk does not
+            raise ReplayDataError(
+                SUPPORT_FIELD,
+                f"streamed choice {index}, chunk {number} carries {count} support rows and no "
+                "token_ids (rows of tokens the stream did not deliver: did the stream end with an error?)",
+                trajectory=index,
+                expected="token_ids beside the rows, one row per token",
+            )
     out = {}
     for index in seen:
         if index not in parts and require_support:
@@ -167,3 +186,26 @@ def decode_stream(chunks: Iterable[Mapping[str, Any]], *, require_support: bool 
             )
         out[index] = ChoiceReplay(support=rows, routed_experts=routes.get(index))
     return out
+
+
+def _check_chunk_rows(rows: SupportRows, ids: list, index: int, number: int) -> None:
+    """One chunk's rows against its own ``token_ids``."""
+    if len(rows) != len(ids):
+        raise ReplayDataError(
+            SUPPORT_FIELD,
+            f"streamed choice {index}, chunk {number} carries {len(rows)} support rows for {len(ids)} token_ids",
+            trajectory=index,
+            expected="one row per token of the chunk",
+        )
+    try:
+        same = bool(np.array_equal(rows.sampled, np.asarray(ids, dtype=np.int64)))
+    except (TypeError, ValueError, OverflowError):
+        same = False
+    if not same:
+        raise ReplayDataError(
+            SUPPORT_FIELD,
+            f"streamed choice {index}, chunk {number}: the rows' sampled ids {rows.sampled.tolist()[:8]} "
+            f"are not the chunk's token_ids {list(ids)[:8]}",
+            trajectory=index,
+            expected="the rows of the chunk's own tokens, in order",
+        )

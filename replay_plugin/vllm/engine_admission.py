@@ -56,9 +56,21 @@ def misfit(plan: Any, params: Any, model_config: Any) -> tuple[str, str] | None:
             "logprobs",
             f"the request asks the engine for logprobs={asked!r}, its support rows need {plan.get('width')}",
         )
-    if isinstance(limit, int) and limit != -1 and (asked == -1 or asked > limit):
-        return "max_logprobs", f"this engine allows max_logprobs={limit}, the request needs {asked}"
+    # -1 means the whole vocabulary, for the request and for the engine, as vLLM reads it
+    # (0.30-0.32 ``SamplingParams._validate_logprobs``: both become ``get_vocab_size()``): a
+    # ``logprobs=-1`` request fits any engine whose ``max_logprobs`` reaches the vocabulary.
+    needed = _vocabulary(model_config) if asked == -1 else asked
+    if isinstance(limit, int) and limit != -1 and (needed is None or needed > limit):
+        shown = f"{asked} (the vocabulary, {needed})" if asked == -1 and needed is not None else f"{asked}"
+        return "max_logprobs", f"this engine allows max_logprobs={limit}, the request needs logprobs={shown}"
     return None
+
+
+def _vocabulary(model_config: Any) -> int | None:
+    try:
+        return int(model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001 - unknown: a limited engine cannot be shown to fit -1
+        return None
 
 
 def _check(wrapped, instance, args, kwargs):

@@ -11,10 +11,19 @@ for Model Runner V2 work unchanged, plus the plugin's ``sample_support`` envelop
 (``exact`` says which mask rows are the whole support, ``sampled_logprob`` the rollout logprob)
 and ``routed_experts`` as a compact wire envelope (instead of vLLM's base64 ``.npy``), as on the
 OpenAI endpoints. Remove when the native mask works on every runner the supported versions use.
+
+Streamed with ``n > 1``: vLLM 0.30 (and 0.31) sizes its per-choice token counts by the first
+engine output's choices and fails mid-stream (an error event, then ``[DONE]``) once a later
+choice arrives; 0.32 sizes them by ``n``. Where the installed generator has that bug, an
+opted-in streamed request with ``n > 1`` is refused (HTTP 400 naming ``n``) before compute
+instead of streaming an error and, before this check, replay rows of choices that never got a
+chunk. Whatever the version, rows still pending when a stream reports an error are dropped
+(``served_stream``).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -23,6 +32,7 @@ from ..core.wire import encode_array
 from ..patcher import Patcher
 from . import options
 from .openai_fields import _rebuild, _replay_model
+from .refusal import refusal
 from .sample_support_capture import sample_support
 from .served_stream import (
     MASK_FIELD,
@@ -94,12 +104,48 @@ async def _full(wrapped, instance, args, kwargs):
         return response
 
 
+_one_choice_streams: dict[Any, bool] = {}
+
+
+def _streams_one_choice(generator: Any) -> bool:
+    """Whether vLLM's stream generator counts tokens per choice in a list sized by the first
+    engine output's choices (0.30: ``[0] * len(res.outputs)``; 0.32: ``[0] * sampling_params.n``):
+    then a later choice raises ``IndexError`` inside the stream. Unreadable source counts as
+    having the bug (a refusal with a fix, never a broken stream)."""
+    function = inspect.unwrap(getattr(generator, "__func__", generator))
+    if function not in _one_choice_streams:
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            source = "len(res.outputs)"
+        _one_choice_streams[function] = "[0] * len(res.outputs)" in source.replace("\n", " ")
+    return _one_choice_streams[function]
+
+
+def _refuse_many_choices(request: Any, generator: Any) -> None:
+    n = getattr(getattr(request, "sampling_params", None), "n", 1)
+    if isinstance(n, int) and n > 1 and _streams_one_choice(generator):
+        import vllm
+
+        raise refusal(
+            f"replay_plugin: the request asks for replay data with sampling_params.n={n} on a "
+            f"streamed /inference/v1/generate, which vLLM {vllm.__version__} cannot stream for more "
+            "than one choice (it fails mid-stream once the second choice arrives); send n=1 (one "
+            'request per sample) or "stream": false',
+            "n",
+            n,
+        )
+
+
 def _stream(wrapped, instance, args, kwargs):
-    """``serve_tokens_stream_generator``: fields per chunk (``served_stream``)."""
+    """``serve_tokens_stream_generator``: fields per chunk (``served_stream``); ``n > 1`` refused
+    where vLLM cannot stream it (module docstring). Called by ``serve_tokens`` before the engine
+    sees the request (the result generator has not started), so a refusal costs no compute."""
     request = get_arg(args, kwargs, "request", 0)
     wanted, routes_wanted = _wants(request)
     if not wanted:
         return wrapped(*args, **kwargs)
+    _refuse_many_choices(request, wrapped)
     replay = StreamReplay(lambda res: [(o.index, o) for o in res.outputs], routes_wanted, mask=True)
     results = get_arg(args, kwargs, "result_generator", 1)
     args, kwargs = replace_arg(args, kwargs, "result_generator", 1, replay.tap(results))

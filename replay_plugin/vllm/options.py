@@ -17,8 +17,10 @@ OpenAI-compatible completion or chat request, which vLLM copies into ``extra_arg
 
 ``vllm_xargs`` only carries strings and numbers, so ``1``, ``"1"``, ``"true"``, ``"yes"`` and
 ``"on"`` count as true, ``0``, ``"0"``, ``"false"``, ``"no"`` and ``"off"`` as false; anything else
-is refused with an error naming the key. Keys starting with ``_replay_plugin`` are the plugin's
-own (:data:`PLAN_KEY`): a request that sets one is refused.
+is refused with an error naming the key. Numbers given as strings (the slack, the width knobs)
+are ASCII digits only: ``"²"`` or ``"٣"`` are refused like any other bad value (``str.isdigit``
+accepts both; ``int`` raised on the first, a 500, and read the second as 3). Keys starting with
+``_replay_plugin`` are the plugin's own (:data:`PLAN_KEY`): a request that sets one is refused.
 
 Per job, environment variables (declared as knobs on the patch specs):
 
@@ -45,6 +47,7 @@ with an invalid value does not start (the error names the variable).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -128,28 +131,46 @@ class KnobError(OptionError):
         )
 
 
+#: Whitespace stripped around a string value: ASCII only (``str.strip()`` would also strip
+#: Unicode spaces, which ``int()`` then accepts too).
+_ASCII_SPACE = " \t\r\n"
+#: A non-negative decimal integer in ASCII digits (``str.isdigit()`` is true for ``"²"``, which
+#: ``int()`` rejects, and for ``"٣"``, which ``int()`` reads as 3).
+_ASCII_INT = re.compile(r"\+?[0-9]{1,39}")
+
+
+def _ascii_text(value: str) -> str | None:
+    """``value`` without surrounding ASCII whitespace, or None when it holds a non-ASCII
+    character (every spelling the plugin accepts is ASCII)."""
+    return value.strip(_ASCII_SPACE) if value.isascii() else None
+
+
 def flag(value: Any, key: str) -> bool:
     """``extra_args`` value -> bool (see the module docstring for accepted spellings)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    if isinstance(value, str) and value.strip():
+    if isinstance(value, str) and len(value) < 40 and (text := _ascii_text(value)):
         try:
-            return parse_bool(key, value)
+            return parse_bool(key, text)
         except SettingError:
             pass
-    raise OptionError(key, f'got {value!r}; expected true/false (1/0, "true"/"false")')
+    shown = value if not isinstance(value, str) or len(value) <= 40 else value[:40] + "..."
+    raise OptionError(key, f'got {shown!r}; expected true/false (1/0, "true"/"false")')
 
 
 def non_negative_int(value: Any, key: str, maximum: int | None = None) -> int:
+    """An int >= 0 (at most ``maximum``) from an int, an integral float or a string of ASCII
+    digits (an optional ``+``, surrounding ASCII whitespace); anything else raises
+    ``OptionError`` naming ``key``, never another exception."""
     expected = "an int >= 0" if maximum is None else f"an int in [0, {maximum}]"
     number: int | None = None
     if isinstance(value, bool):
         number = None
     elif isinstance(value, str):
-        text = value.strip()
-        if text.lstrip("+").isdigit() and len(text) < 40:
+        text = _ascii_text(value) if len(value) < 80 else None
+        if text is not None and _ASCII_INT.fullmatch(text):
             number = int(text)
     elif isinstance(value, int) and value >= 0:
         number = value
@@ -175,9 +196,15 @@ def _knob(read: Any) -> Any:
         raise KnobError(exc.key, exc.detail) from None
 
 
+def _choice(value: str) -> str:
+    """A knob's keyword, lower-cased; a non-ASCII value is kept as given (no keyword matches it)."""
+    text = _ascii_text(value)
+    return value if text is None else text.lower()
+
+
 def job_mode(environ: Mapping[str, str] | None = None) -> str:
     """``""`` (not opted in), ``"opt-in"`` or ``"all"``."""
-    value = _env(REQUESTS_ENV, "", environ).strip().lower()
+    value = _choice(_env(REQUESTS_ENV, "", environ))
     if value not in _MODES:
         raise KnobError(REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all' (or unset)")
     return value
@@ -195,7 +222,7 @@ def job_max_width(environ: Mapping[str, str] | None = None) -> int:
 
 
 def routes_mode(environ: Mapping[str, str] | None = None) -> str:
-    value = _env(ROUTES_REQUESTS_ENV, "opt-in", environ).strip().lower()
+    value = _choice(_env(ROUTES_REQUESTS_ENV, "opt-in", environ))
     if value not in ("opt-in", "all"):
         raise KnobError(ROUTES_REQUESTS_ENV, f"got {value!r}; expected 'opt-in' or 'all'")
     return value

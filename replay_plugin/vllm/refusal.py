@@ -22,6 +22,29 @@ class SampleSupportRefused(ValueError):
     setting: str | None = None
 
 
+#: vLLM's temperature floor (0.30-0.32 ``vllm/sampling_params.py`` ``_MAX_TEMP``, the same value
+#: as ``core.sampler.MIN_TEMPERATURE``). Surprise: ``SamplingParams.__post_init__`` raises every
+#: temperature in ``(0, 0.01)`` to 0.01 with a log line only, when the params are built (the
+#: user's object offline; ``to_sampling_params`` served; the request model's parsing on
+#: ``/inference/v1/generate``), so no entry point after that sees the value the client sent. A
+#: captured request reads as 0.01 whether the client asked 0.01 or 0.005, and the trainer would
+#: score its tokens at another temperature than the client believes. Capture therefore refuses
+#: 0.01 itself (``sample_support_admission``); served completions and chats, whose request
+#: models still hold the client's value, are refused with it (``vllm.served_endpoints``).
+VLLM_TEMPERATURE_FLOOR = 1e-2
+
+
+def temperature_fix(value: Any) -> str:
+    """The refusal text of a temperature vLLM raises (or may have raised) to its floor."""
+    return (
+        f"sampler setting 'temperature'={value!r} is not replayable: vLLM raises every temperature "
+        f"in (0, {VLLM_TEMPERATURE_FLOOR:g}) to {VLLM_TEMPERATURE_FLOOR:g} when it builds the "
+        "sampling parameters, so the rows would be computed at another temperature than the one "
+        f"asked for (and {VLLM_TEMPERATURE_FLOOR:g} itself cannot be told apart from a raised "
+        f"value); use a temperature > {VLLM_TEMPERATURE_FLOOR:g}, and the same in the trainer"
+    )
+
+
 _refusal_class: type | None = None
 
 

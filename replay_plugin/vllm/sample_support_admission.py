@@ -13,7 +13,7 @@ from typing import Any
 from .. import states
 from ..core.sampler import check_replayable
 from . import batch_rows, options
-from .refusal import SampleSupportRefused, refusal
+from .refusal import VLLM_TEMPERATURE_FLOOR, SampleSupportRefused, refusal, temperature_fix
 from .sample_support_capture import count_request
 
 __all__ = ["SampleSupportRefused", "plan_request"]
@@ -35,10 +35,17 @@ MAX_FORCING_TEMPERATURE = 1e4
 
 def _fit_engine(wrapped, instance, args, kwargs):
     """``EngineArgs.create_engine_config``: for a job that opted in, processed logprobs and
-    ``max_logprobs >= MAX_WIDTH`` (logged, noted in the status file); the caller's
-    ``EngineArgs`` is left as it was. Other jobs get the configuration they asked for. An
-    invalid ``REPLAY_PLUGIN_VLLM_*`` value raises ``KnobError`` naming it: the engine (and
-    ``vllm serve``, headless engines included) does not start misconfigured."""
+    ``max_logprobs >= min(MAX_WIDTH, vocabulary size)`` (logged, noted in the status file); the
+    caller's ``EngineArgs`` is left as it was. Other jobs get the configuration they asked for.
+    An invalid ``REPLAY_PLUGIN_VLLM_*`` value raises ``KnobError`` naming it: the engine (and
+    ``vllm serve``, headless engines included) does not start misconfigured.
+
+    Never above the vocabulary: vLLM (0.30-0.32) checks a request's ``logprobs`` against
+    ``max_logprobs`` only, and its sampler's ``topk`` over a smaller vocabulary raises in the
+    worker, which kills the engine. Rows are capped at the vocabulary anyway. The vocabulary is
+    known only once the model configuration exists, so the cap is applied to the built
+    configuration (``max_logprobs`` is read per request and per step, nothing derived from it
+    is built before; a speculative draft's copy of it is capped too)."""
     options.check_job_knobs()
     mode = options.job_mode()
     max_width = options.job_max_width() if mode else 0
@@ -61,6 +68,8 @@ def _fit_engine(wrapped, instance, args, kwargs):
     finally:
         for name, value in saved.items():
             setattr(instance, name, value)
+    if "max_logprobs" in saved:
+        _cap_at_vocabulary(config, saved["max_logprobs"], max_width, changes)
     if changes:
         message = f"vllm.sample_support: {options.REQUESTS_ENV}={mode}: engine configuration changed: " + ", ".join(
             changes
@@ -68,6 +77,24 @@ def _fit_engine(wrapped, instance, args, kwargs):
         log.warning("replay_plugin: %s (logprobs of every request are now processed logprobs)", message)
         states.note(message)
     return config
+
+
+def _cap_at_vocabulary(config: Any, before: int, max_width: int, changes: list[str]) -> None:
+    """The ``max_logprobs`` the plugin raised, lowered to the vocabulary size (never below what
+    the caller set: a caller's own value above the vocabulary is vLLM's business)."""
+    model_config: Any = getattr(config, "model_config", None)
+    try:
+        vocab = int(model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001 - no vocabulary known: keep the fitted value
+        return
+    if 0 < vocab < max_width:
+        model_config.max_logprobs = max(before, vocab)
+        draft = getattr(getattr(config, "speculative_config", None), "draft_model_config", None)
+        if draft is not None and getattr(draft, "max_logprobs", None) == max_width:
+            draft.max_logprobs = model_config.max_logprobs
+        changes.remove(f"max_logprobs {before} -> {max_width}")
+        if model_config.max_logprobs != before:
+            changes.append(f"max_logprobs {before} -> {vocab} (the vocabulary size)")
 
 
 # --------------------------------------------------------------------------- admission
@@ -108,6 +135,7 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
             "temperature",
             params.temperature,
         )
+    _check_temperature(params.temperature, where)
     top_k = params.top_k
     width = _support_width(top_k, slack, model_config)
     try:
@@ -142,6 +170,13 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
         "native": native,
         "batch": not native,
     }
+
+
+def _check_temperature(temperature: Any, where: str) -> None:
+    """Refuse vLLM's floor temperature (0.01): it may be a raised smaller value (see
+    ``refusal.VLLM_TEMPERATURE_FLOOR``)."""
+    if isinstance(temperature, (int, float)) and temperature == VLLM_TEMPERATURE_FLOOR:
+        raise refusal(f"{where} but {temperature_fix(temperature)}", "temperature", temperature)
 
 
 def _opts_in(extra: dict | None) -> bool:

@@ -8,9 +8,12 @@ sampled token followed by token 0 at ``-inf``. Any client of a shared server cou
 every captured support row of the step inexact. Here, in that case, the step's rows are built
 per request: requests with ``logprob_token_ids`` get exactly vLLM's listed-id rows (their own
 columns; the extra ``-inf`` padding columns are cut by the front end as before), every other
-request gets the top-N rows it asked for. Applied only in engines running
-``processed_logprobs`` (the engines capture needs): elsewhere vLLM is left as is. Model Runner
-V2 (``v1/worker/gpu/sample``) is not patched. Remove when vLLM keeps per-request rows.
+request gets the top-N rows it asked for. That includes requests that did not opt into replay:
+a plain ``logprobs`` request of such a step gets the rows it gets in any other step, not the
+sampled-token-then-token-0 rows of stock vLLM (test_offline.py shows both). Applied only in
+engines running ``processed_logprobs`` (the engines capture needs): elsewhere vLLM is left as
+is. Model Runner V2 (``v1/worker/gpu/sample``) is not patched. Remove when vLLM keeps
+per-request rows.
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ are refused (HTTP 400 naming the endpoint and what to use instead), also when
 ``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=all`` opts them in (send
 ``"replay_sample_support": false`` to opt one out). Remove when these endpoints return replay
 data (or vLLM refuses unknown ``vllm_xargs``).
+
+The same wrappers see the client's ``temperature`` on completions and chats before vLLM builds
+its ``SamplingParams``, which raises any value in ``(0, 0.01)`` to 0.01 silently (0.30-0.32): a
+captured request with such a temperature is refused naming the value it sent (the capture's
+admission, which sees only the raised value, refuses 0.01 itself; ``sample_support_admission``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 from ..patcher import Patcher
 from . import options
-from .refusal import refusal
+from .refusal import VLLM_TEMPERATURE_FLOOR, refusal, temperature_fix
 
 _USE = "use /v1/completions, /v1/chat/completions (without beam search) or /inference/v1/generate"
 
@@ -42,6 +47,26 @@ def _refuse(endpoint: str) -> None:
     )
 
 
+def _check_temperature(request: Any) -> None:
+    """Refuse a captured request whose temperature vLLM would raise to its floor, by the value
+    the client sent (``0 < temperature < 0.01``; 0 is greedy, refused by the admission)."""
+    temperature = getattr(request, "temperature", None)
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < VLLM_TEMPERATURE_FLOOR):
+        return
+    try:
+        wants = options.wants_support(getattr(request, "vllm_xargs", None))
+    except options.KnobError:
+        raise
+    except options.OptionError as exc:
+        raise refusal(f"replay_plugin: {exc}", exc.key) from None
+    if wants:
+        raise refusal(
+            f"replay_plugin: request opted into sample-support capture but {temperature_fix(temperature)}",
+            "temperature",
+            temperature,
+        )
+
+
 def _request_method(endpoint: str):
     """A wrapper for a request model's method: refuse when the request itself opts in."""
 
@@ -57,6 +82,7 @@ def _chat(wrapped, instance, args, kwargs):
     """``OpenAIServingChat.create_chat_completion``: beam search, and subclasses that reshape the
     chat response (the Anthropic Messages API calls it on its own serving object)."""
     request = args[0] if args else kwargs.get("request")
+    _check_temperature(request)
     if _wants_replay(getattr(request, "vllm_xargs", None)):
         if getattr(request, "use_beam_search", False):
             _refuse("beam search (use_beam_search)")
@@ -68,6 +94,7 @@ def _chat(wrapped, instance, args, kwargs):
 def _completion(wrapped, instance, args, kwargs):
     """``OpenAIServingCompletion.create_completion``: beam search."""
     request = args[0] if args else kwargs.get("request")
+    _check_temperature(request)
     if getattr(request, "use_beam_search", False) and _wants_replay(getattr(request, "vllm_xargs", None)):
         _refuse("beam search (use_beam_search)")
     return wrapped(*args, **kwargs)

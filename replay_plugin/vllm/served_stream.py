@@ -7,8 +7,11 @@ hook sits between an engine output and its chunk. So the stream's engine outputs
 generator yields for a choice gets the rows that arrived since that choice's previous chunk.
 Concatenated over a choice's chunks, the rows are those of the whole request, in order (a chunk
 that carries no token, like chat's first role chunk, gets none; rows left when the stream ends
-go out in one extra chunk before ``[DONE]``). Only streams of requests that asked for replay
-data are touched; all others pass through byte for byte.
+go out in one extra chunk before ``[DONE]``). After an error event nothing more is added: rows
+still pending then belong to tokens the client never received (vLLM 0.30's generate stream
+failing at a second choice sent that choice's rows in the extra chunk, with no token), so they
+are dropped and logged. Only streams of requests that asked for replay data are touched; all
+others pass through byte for byte.
 """
 
 from __future__ import annotations
@@ -126,7 +129,19 @@ class StreamReplay:
         self, chunks: AsyncIterator[str], takes_rows: Callable[[dict], bool] = lambda choice: True
     ) -> AsyncIterator[str]:
         """``chunks`` with each choice's replay fields on its next chunk that carries tokens."""
+        failed = False
         async for chunk in chunks:
+            if failed or chunk.startswith(_DATA + '{"error"'):
+                if self.rows or self.routes:
+                    log.warning(
+                        "replay_plugin: the stream reported an error; replay data of choices %s not sent",
+                        sorted(set(self.rows) | set(self.routes)),
+                    )
+                    self.rows.clear()
+                    self.routes.clear()
+                failed = True
+                yield chunk
+                continue
             if chunk.startswith(_DATA + "[DONE]") and (self.rows or self.routes):
                 for index in sorted(set(self.rows) | set(self.routes)):
                     log.warning("replay_plugin: replay data of choice %d sent in an extra chunk", index)

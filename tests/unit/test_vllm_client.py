@@ -61,8 +61,39 @@ def test_decode_stream_concatenates_each_choices_chunks():
     out = decode_stream(chunks)
     assert out[0].support.sampled.tolist() == [5, 6, 7] and np.array_equal(out[0].routed_experts, routes)
     assert out[1].support.sampled.tolist() == [9] and out[1].routed_experts is None
-    with pytest.raises(ReplayDataError, match="2 support rows for 3 tokens"):
+    with pytest.raises(ReplayDataError, match="choice 0, chunk 0 carries 2 support rows for 3 token_ids"):
         decode_stream([{"choices": [{"index": 0, "token_ids": [5, 6, 7], "sample_support": _doc(a)}]}])
     with pytest.raises(ReplayDataMissing, match="streamed choice 0"):
         decode_stream([{"choices": [{"index": 0, "token_ids": [5]}]}])
     assert decode_stream([{"choices": [{"index": 0, "text": "x"}]}], require_support=False)[0].support is None
+
+
+def test_decode_stream_checks_each_chunks_rows_against_its_own_tokens():
+    """Rows are per chunk: a chunk's rows are those of its own token_ids (count and ids), even
+    where the totals of the stream agree; the error names the choice and the chunk."""
+    with pytest.raises(ReplayDataError, match=r"choice 0, chunk 0 carries 2 support rows for 1 token_ids") as info:
+        decode_stream(
+            [
+                {"choices": [{"index": 0, "token_ids": [5], "sample_support": _doc(_rows([5, 6]))}]},
+                {"choices": [{"index": 0, "token_ids": [6, 7], "sample_support": _doc(_rows([7]))}]},
+            ]
+        )
+    assert info.value.trajectory == 0
+    with pytest.raises(ReplayDataError, match=r"choice 1, chunk 0: the rows' sampled ids \[8\] are not .* \[9\]"):
+        decode_stream([{"choices": [{"index": 1, "token_ids": [9], "sample_support": _doc(_rows([8]))}]}])
+
+
+def test_decode_stream_refuses_rows_without_tokens_in_a_stream_with_token_ids():
+    """vLLM 0.30's /inference/v1/generate stream with n=2 failed at the second choice (an error
+    event, then [DONE]) and the plugin then sent choice 1's rows in an extra chunk without
+    token_ids: decode_stream returned them as choice 1's replay data. They are rows of tokens
+    the client never received."""
+    chunks = [
+        {"request_id": "r", "choices": [{"index": 0, "token_ids": [5], "sample_support": _doc(_rows([5]))}]},
+        {"request_id": "r", "choices": [{"index": 1, "sample_support": _doc(_rows([7, 8]))}]},
+    ]
+    with pytest.raises(ReplayDataError, match=r"choice 1, chunk 1 carries 2 support rows and no token_ids"):
+        decode_stream(chunks)
+    # a stream without token ids at all (no return_token_ids) cannot be checked per chunk
+    plain = [{"choices": [{"index": 0, "text": "a", "sample_support": _doc(_rows([5, 6]))}]}]
+    assert decode_stream(plain)[0].support.sampled.tolist() == [5, 6]

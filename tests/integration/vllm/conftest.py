@@ -41,6 +41,12 @@ plugin_installed_as_wheel = _top.plugin_installed_as_wheel
 ROOT = _top.ROOT
 
 ENGINE_START_TIMEOUT = 240
+#: A served engine is ready when it has answered a request, not when its port answers: on a
+#: loaded CI machine a just-started engine took more than 60 s for its first request (a fixed
+#: 60 s socket timeout failed the headless test). Overall deadline from the process start.
+ENGINE_READY_TIMEOUT = 420
+#: One request to a server that is up and serving (tests' own requests).
+REQUEST_TIMEOUT = 180
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -147,14 +153,28 @@ CHAT_TEMPLATE = (
 )
 
 
+def server_env() -> dict:
+    """The environment of a ``vllm serve`` process the tests start: no ``REPLAY_PLUGIN_*``
+    variable of the test process, and the plugin the test process runs: the installed wheel
+    (``PYTHONPATH`` dropped), or, when the tests run a source tree put first on ``PYTHONPATH``,
+    that same tree (else the server would run the wheel while the test checks the tree)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+    if plugin_installed_as_wheel():
+        env.pop("PYTHONPATH", None)
+    return env
+
+
 class Server:
-    def __init__(self, base: str, proc: subprocess.Popen, status_dir: str, log_path: str) -> None:
+    def __init__(
+        self, base: str, proc: subprocess.Popen, status_dir: str, log_path: str, other_logs: tuple[str, ...] = ()
+    ) -> None:
         self.base = base
         self.proc = proc
         self.status_dir = status_dir
         self.log_path = log_path
+        self.other_logs = other_logs
 
-    def post(self, path: str, body: dict, timeout: float = 60) -> tuple[int, dict, bytes]:
+    def post(self, path: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> tuple[int, dict, bytes]:
         req = urllib.request.Request(
             self.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )
@@ -166,7 +186,7 @@ class Server:
             raw = err.read()
             return err.code, json.loads(raw or b"{}"), raw
 
-    def stream(self, path: str, body: dict, timeout: float = 60) -> tuple[int, list[dict], list[str]]:
+    def stream(self, path: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> tuple[int, list[dict], list[str]]:
         """POST a streaming request: (status, parsed ``data:`` objects without ``[DONE]``, raw
         event lines)."""
         req = urllib.request.Request(
@@ -185,11 +205,71 @@ class Server:
         return status, [json.loads(e) for e in events[:-1]], events
 
     def log_tail(self, n: int = 4000) -> str:
+        """The last ``n`` characters of the server's log (and of each other process's log)."""
+        tails = []
+        for path in (self.log_path, *self.other_logs):
+            try:
+                with open(path, errors="replace") as fh:
+                    text = fh.read()[-n:]
+            except OSError as exc:
+                text = f"(unreadable: {exc})"
+            tails.append(f"--- {path} (last {n} characters) ---\n{text}" if self.other_logs else text)
+        return "\n".join(tails)
+
+
+def wait_until_serving(
+    srv: Server,
+    procs: list,
+    deadline: float,
+    *,
+    attempt_timeout: float = 30,
+    poll: float = 1.0,
+    what: str = "vllm serve",
+) -> float:
+    """Block until ``srv`` has answered one completion request (returns the seconds waited).
+
+    Readiness in steps, each bounded by the overall ``deadline`` (``time.monotonic()``):
+    ``/health`` answers 200 (the API server is up and its engine client alive), ``/v1/models``
+    names the model, then a one-token completion returns 200 (the engine has loaded and run a
+    step). A request that times out (``attempt_timeout``) is sent again: a starting engine
+    answers late, never wrongly. Every wait checks that the processes in ``procs`` still run.
+    Raises ``RuntimeError`` with the step it waited for, the last error and the logs' tails."""
+    start = time.monotonic()
+    step, last = "/health", "no answer yet"
+    model = None
+    while True:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{what}: a process ({' '.join(map(str, proc.args[:4]))} ...) exited with "
+                    f"{proc.returncode} while waiting for {step}:\n{srv.log_tail()}"
+                )
+        timeout = max(1.0, min(attempt_timeout, deadline - time.monotonic()))
         try:
-            with open(self.log_path, errors="replace") as fh:
-                return fh.read()[-n:]
-        except OSError:
-            return ""
+            if step == "/health":
+                with urllib.request.urlopen(srv.base + "/health", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        step = "/v1/models"
+                        continue
+            elif step == "/v1/models":
+                with urllib.request.urlopen(srv.base + "/v1/models", timeout=timeout) as resp:
+                    model = json.load(resp)["data"][0]["id"]
+                    step = "a first completion"
+                    continue
+            else:
+                body = {"model": model, "prompt": "ready", "max_tokens": 1}
+                code, doc, _ = srv.post("/v1/completions", body, timeout=timeout)
+                if code == 200:
+                    return time.monotonic() - start
+                last = f"HTTP {code}: {doc}"
+        except (urllib.error.URLError, ConnectionError, OSError, ValueError, KeyError, IndexError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"{what} not serving after {time.monotonic() - start:.0f} s (waiting for {step}; "
+                f"last: {last}):\n{srv.log_tail()}"
+            )
+        time.sleep(poll)
 
 
 @pytest.fixture(scope="session")
@@ -202,8 +282,7 @@ def server(tie_model, tmp_path_factory):
     template = tmp / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
-    env.pop("PYTHONPATH", None)
+    env = server_env()
     env.update(
         REPLAY_PLUGIN_STATUS_DIR=status_dir,
         REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS="opt-in",
@@ -247,20 +326,8 @@ def server(tie_model, tmp_path_factory):
     log = open(log_path, "w")
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp), start_new_session=True)
     srv = Server(f"http://127.0.0.1:{port}", proc, status_dir, log_path)
-    deadline = time.monotonic() + ENGINE_START_TIMEOUT
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{srv.log_tail()}")
-            try:
-                with urllib.request.urlopen(srv.base + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy after {ENGINE_START_TIMEOUT}s:\n{srv.log_tail()}")
-            time.sleep(1)
+        wait_until_serving(srv, [proc], time.monotonic() + ENGINE_READY_TIMEOUT)
         yield srv
     finally:
         _stop(proc)

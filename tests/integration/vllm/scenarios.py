@@ -96,3 +96,14 @@ def listed_ids_batch(stock: bool) -> tuple[list[str], list]:
         SamplingParams(top_k=TOP_K, max_tokens=10, seed=7, **first),
         SamplingParams(top_k=TOP_K, max_tokens=10, seed=8, logprob_token_ids=[3, 4, 5]),
     ]
+
+
+def plain_beside_listed_batch() -> tuple[list[str], list]:
+    """A plain request that asks ``logprobs`` (not captured) sharing every engine step with a
+    request that sets ``logprob_token_ids`` (both ignore EOS: same steps from first to last)."""
+    from vllm import SamplingParams
+
+    return PROMPTS[:2], [
+        SamplingParams(top_k=TOP_K, max_tokens=8, seed=7, logprobs=3, flat_logprobs=True, ignore_eos=True),
+        SamplingParams(top_k=TOP_K, max_tokens=8, seed=8, logprob_token_ids=[3, 4, 5], ignore_eos=True),
+    ]

@@ -78,6 +78,11 @@ def main(model: str, out_dir: str, routes: bool) -> None:
     first, listed = (r.outputs[0] for r in llm.generate(prompts, params, use_tqdm=False))
     results["listed_ids"] = {"rows": _flat_rows(first.logprobs), "listed": pickle.dumps(listed)}
 
+    prompts, params = scenarios.plain_beside_listed_batch()
+    plain = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    alone = llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0]
+    results["plain_beside_listed"] = {"rows": _flat_rows(plain.logprobs), "alone": _flat_rows(alone.logprobs)}
+
     out = llm.generate(prompts[:1], SamplingParams(top_k=5, max_tokens=4, extra_args=scenarios.OPT_IN))
     try:
         support_of(out[0].outputs[0])

