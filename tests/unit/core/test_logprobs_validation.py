@@ -83,6 +83,9 @@ def _bad_row(kind: str) -> tuple[torch.Tensor, torch.Tensor, str]:
         row, text = [y, -5, -1, -1], "support row holds id -5"
     elif kind == "duplicate":
         row, text = [y, others[1], others[1], -1], f"support id {others[1]} appears more than once"
+    elif kind == "sampled_is_padding":  # -1 pads the row but is no member
+        row, text = [others[0], -1, -1, -1], "sampled token -1 is not in its support row"
+        sampled[BAD] = -1
     else:  # the sampled token is not in its row
         row, text = [others[0], others[1], -1, -1], f"sampled token {y} is not in its support row"
     support[BAD] = torch.tensor(row, dtype=torch.int32)
@@ -90,7 +93,8 @@ def _bad_row(kind: str) -> tuple[torch.Tensor, torch.Tensor, str]:
 
 
 @pytest.mark.parametrize(
-    "kind", ["out_of_vocabulary", "out_of_vocabulary_only_member", "negative", "duplicate", "not_member"]
+    "kind",
+    ["out_of_vocabulary", "out_of_vocabulary_only_member", "negative", "duplicate", "not_member", "sampled_is_padding"],
 )
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_bad_support_rows_are_refused_naming_trajectory_token_and_id(entry, kind, monkeypatch):
@@ -281,3 +285,44 @@ def test_fsdp_entry_refuses_duplicates_and_zeroes_masked_rows_without_their_toke
     keep = torch.ones_like(lm)
     keep[1, actions - 1] = False
     torch.testing.assert_close(out[keep], good[keep])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_checks_match_a_plain_reference_on_random_rows(seed):
+    """The device checks (one sort per row, neighbour counts, a binary search) give each row the
+    same first problem as a plain per-row reading of the contract, on rows with ids below -1,
+    past the vocabulary, repeats, -1 anywhere, sampled ids in and out of the row (also -1)."""
+    g = torch.Generator().manual_seed(seed)
+    n, w, v = 400, 6, 9
+    sup = torch.randint(-3, v + 3, (n, w), generator=g)
+    sup = torch.where(torch.rand(n, w, generator=g) < 0.3, -1, sup)  # plenty of padding, anywhere
+    sup[: n // 4] = torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(n // 4)])  # clean rows
+    sampled = torch.where(
+        torch.rand(n, generator=g) < 0.6, sup[torch.arange(n), torch.randint(0, w, (n,), generator=g)], -1
+    )
+    sampled = torch.where(torch.rand(n, generator=g) < 0.2, torch.randint(-1, v + 2, (n,), generator=g), sampled)
+    required = torch.rand(n, generator=g) < 0.7
+    sup[0], sampled[0] = torch.tensor([-1, -1, -1, -1, -1, -1]), 4  # no support: fine
+    sup[1], sampled[1] = torch.tensor([3, -1, 5, -1, -1, -1]), -1  # -1 is padding, not a member
+    required[1] = True
+    member = sup >= 0
+    local_m = member & (sup < v)
+    check = lp_mod._RowCheck(sup, sampled, member, local_m, required, 0, v, None)
+    check.finish(check.local_count.double())
+
+    def reference(row, y, req):
+        ids = [int(i) for i in row]
+        members = [i for i in ids if i >= 0]
+        if any(i < -1 for i in ids):
+            return 1
+        if any(i >= v for i in members):
+            return 2
+        if len(set(members)) != len(members):
+            return 3
+        if members and req and int(y) not in members:
+            return 4
+        return 0
+
+    expected = [reference(r, y, q) for r, y, q in zip(sup, sampled, required)]
+    assert check.code.tolist() == expected
+    assert expected[1] == 4 and {1, 2, 3, 4, 0} <= set(expected)
