@@ -10,6 +10,16 @@ pads; outputs are float32. With ``tp_group`` the vocabulary is sharded, every ca
 fixed number of all-reduces whatever the data, and the hidden-state gradient is this rank's
 partial sum: feed ``hidden`` through ``copy_to_tensor_model_parallel_region`` as
 ``ColumnParallelLinear`` does.
+
+Support rows are checked on the device at every entry that takes them (what the math relies
+on, nothing more): members are ids of the vocabulary (under tensor parallelism the global one:
+every member must lie in some rank's shard), ``-1`` is the only negative id, no id appears
+twice in a row (it would count twice in the normaliser), and a row with support contains its
+sampled token where one is required (else the value is no log-probability: it can be
+positive). Where ``-1`` sits in a row and the order of the members do not change the result (a
+row is a set here), so rows with ``-1`` between members are accepted. The checks cost one host
+sync per call (shared with the existing one in ``replay_logprobs``); the details of a failure
+are looked up only then, and a ``ReplayDataError`` names the position and the offending id.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ def support_logprobs(
     temperature: float = 1.0,
     vocab_start: int = 0,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each sampled token renormalised over its recorded support.
 
@@ -50,22 +61,66 @@ def support_logprobs(
         logits: ``[..., V_local]`` raw logits (not yet divided by the temperature), any float
             dtype; this rank's vocabulary shard when ``tp_group`` is given.
         sampled_ids: ``[...]`` integer, the token each position is scored for (global ids).
-        support_ids: ``[..., W]`` integer (int32 by contract), global ids, ``-1`` padding.
+        support_ids: ``[..., W]`` integer (int32 by contract), global ids, ``-1`` padding; the
+            same on every rank of ``tp_group``.
         temperature: ``T > 0``; the gathered logits are divided by it. Pass 1.0 when the logits
             were already divided.
         vocab_start: first global id of this rank's shard.
         tp_group: tensor-parallel group sharding the vocabulary, or None.
+        loss_mask: ``[...]`` bool (or 0/1), the rows whose sampled token must be a member of
+            their support: the loss-bearing ones. None (default): every row with support. A row
+            with support outside it whose token is not a member (e.g. a row
+            ``dense_support_batch(on_inexact="mask")`` took out of the loss) gets logprob 0 and
+            ``valid`` False.
 
     Returns:
         ``(logprobs, valid)``: float32 ``[...]`` and bool ``[...]``; ``valid`` is False for rows
         without any member, whose logprob is 0. Gradients flow to ``logits`` only at the support
-        and sampled positions. The sampled token is not required to be a member (then the value is
-        not a log-probability; ``dense_support_batch`` guarantees membership).
+        and sampled positions.
+
+    Raises:
+        ReplayDataError (field ``support_ids``; ``trajectory`` = the position's first index and
+        ``token`` = its index within it, for ``[..., W]`` of more than one leading dimension):
+        a member id outside the vocabulary (under ``tp_group``: in no rank's shard), a negative
+        id other than ``-1``, an id twice in a row, a required row without its sampled token.
+        Checked on the device, one host sync; under ``tp_group`` after the two all-reduces,
+        identically on every rank.
     """
     _check_common(logits, sampled_ids, support_ids, temperature)
+    required = _required(loss_mask, sampled_ids.shape)
+    lp, valid, check = _support_logprobs(
+        logits,
+        sampled_ids,
+        support_ids,
+        temperature=temperature,
+        vocab_start=vocab_start,
+        tp_group=tp_group,
+        required=required,
+        check=True,
+    )
+    assert check is not None
+    check.raise_first(sampled_ids.shape)
+    return lp, valid
+
+
+def _support_logprobs(
+    logits: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    support_ids: torch.Tensor,
+    *,
+    temperature: float,
+    vocab_start: int,
+    tp_group,
+    required: torch.Tensor | None,
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor, _RowCheck | None]:
+    """:func:`support_logprobs` after the input checks; ``check=False`` skips the support-row
+    checks (for callers that validated the rows, or score compact inputs whose target is not a
+    member on purpose, as ``replay_plugin.fsdp.replay`` does) and returns no :class:`_RowCheck`."""
     v_local = logits.shape[-1]
     prefix = sampled_ids.shape
     sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
+    rows = _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group) if check else None
     cdt = _compute_dtype(logits.dtype)
     w = local_sup.shape[1]
     # One gather for members and target, on the logits as given (no reshape copy of a strided
@@ -74,8 +129,14 @@ def support_logprobs(
     cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
     values = _GatherLast.apply(logits, cand.view(*prefix, w + 1)).reshape(-1, w + 1).to(cdt) / temperature
     y_values = torch.where(y_local, values[:, w], 0.0)
-    lp = _renormalise(values[:, :w], local_m, y_values, valid, tp_group)
-    return lp.float().reshape(prefix), valid.reshape(prefix)
+    lp, counted = _renormalise(
+        values[:, :w], local_m, y_values, valid, tp_group, count=None if rows is None else rows.local_count
+    )
+    if rows is not None:
+        rows.finish(counted)
+        valid = rows.scored(valid)
+        lp = torch.where(valid, lp, 0.0)
+    return lp.float().reshape(prefix), valid.reshape(prefix), rows
 
 
 class _GatherLast(torch.autograd.Function):
@@ -114,19 +175,24 @@ def support_logprobs_from_hidden(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     vocab_start: int = 0,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``support_logprobs`` fused with the LM head: only (token, candidate) pairs are projected.
 
     Args:
         hidden: ``[..., H]`` LM-head input (replicated over ``tp_group``).
         lm_head_weight: ``[V_local, H]`` this rank's LM-head rows (no bias).
-        sampled_ids, support_ids, temperature, vocab_start, tp_group: as ``support_logprobs``
-            (the temperature is applied inside the projection).
+        sampled_ids, support_ids, temperature, vocab_start, tp_group, loss_mask: as
+            ``support_logprobs`` (the temperature is applied inside the projection).
         chunk_size: (token, candidate) pairs per chunk of the gather path.
 
     Returns:
         ``(logprobs, valid)`` as ``support_logprobs``; equal to it on ``hidden @ W.T`` up to
         rounding, and so are the gradients of ``hidden`` and ``lm_head_weight``.
+
+    Raises:
+        ReplayDataError: the support-row checks of ``support_logprobs`` (the vocabulary is the
+        LM-head's rows, summed over ``tp_group``).
 
     The projection is a custom autograd Function that saves only the inputs and ``[N, W+1]``
     index tensors; nothing of size ``[pairs, H]`` outlives a chunk. Two implementations:
@@ -143,6 +209,39 @@ def support_logprobs_from_hidden(
       adds each distinct row once per chunk.
     """
     _check_common(hidden, sampled_ids, support_ids, temperature)
+    required = _required(loss_mask, sampled_ids.shape)
+    lp, valid, check = _support_logprobs_from_hidden(
+        hidden,
+        lm_head_weight,
+        sampled_ids,
+        support_ids,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_start=vocab_start,
+        tp_group=tp_group,
+        required=required,
+        check=True,
+    )
+    assert check is not None
+    check.raise_first(sampled_ids.shape)
+    return lp, valid
+
+
+def _support_logprobs_from_hidden(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    support_ids: torch.Tensor,
+    *,
+    temperature: float,
+    chunk_size: int,
+    vocab_start: int,
+    tp_group,
+    required: torch.Tensor | None,
+    check: bool,
+) -> tuple[torch.Tensor, torch.Tensor, _RowCheck | None]:
+    """:func:`support_logprobs_from_hidden` after the common input checks; ``check`` as in
+    :func:`_support_logprobs`."""
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
         raise ReplayDataError(
             "lm_head_weight",
@@ -154,6 +253,7 @@ def support_logprobs_from_hidden(
     prefix = sampled_ids.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
+    rows = _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group) if check else None
     w = local_sup.shape[1]
     cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
     local = torch.cat([local_m, y_local.unsqueeze(1)], dim=1)
@@ -166,8 +266,14 @@ def support_logprobs_from_hidden(
         chunk,
         _projection_method(flat_h, lm_head_weight),
     )
-    lp = _renormalise(z[:, :w], local_m, z[:, w], valid, tp_group)
-    return lp.float().reshape(prefix), valid.reshape(prefix)
+    lp, counted = _renormalise(
+        z[:, :w], local_m, z[:, w], valid, tp_group, count=None if rows is None else rows.local_count
+    )
+    if rows is not None:
+        rows.finish(counted)
+        valid = rows.scored(valid)
+        lp = torch.where(valid, lp, 0.0)
+    return lp.float().reshape(prefix), valid.reshape(prefix), rows
 
 
 def full_vocab_logprobs_fixed_capacity(
@@ -314,7 +420,8 @@ def _full_vocab_logprob(
     y_local = (ly >= 0) & (ly < v_local)
     y_values = z.gather(1, ly.clamp(0, max(v_local - 1, 0)).unsqueeze(1)).squeeze(1)
     y_values = torch.where(y_local, y_values, 0.0)
-    return _renormalise(z, None, y_values, torch.ones_like(y_local), tp_group)
+    lp, _ = _renormalise(z, None, y_values, torch.ones_like(y_local), tp_group)
+    return lp
 
 
 def full_vocab_logprobs(
@@ -399,19 +506,24 @@ def replay_logprobs(
         ``ReplayLogprobs(logprobs, valid, full_vocab)``.
 
     Raises:
-        ReplayDataError: a loss-bearing position has no support and is not its trajectory's
-            first such position (only one synthetic EOS per trajectory can be scored), or its
-            trajectory id is outside ``[0, num_trajectories)``; or a supported row's logprob is
-            not finite (members outside the vocabulary, non-finite logits). Raised after all
-            collectives (one host sync) on every rank of ``agree_groups``, naming the
-            trajectory, the token and (when another rank found it) that rank.
+        ReplayDataError: the support-row checks of ``support_logprobs`` (a member outside the
+            vocabulary, a negative id other than ``-1``, an id twice in a row, a loss-bearing
+            row with support that lacks its sampled token); a loss-bearing position has no
+            support and is not its trajectory's first such position (only one synthetic EOS per
+            trajectory can be scored), or its trajectory id is outside
+            ``[0, num_trajectories)``; or a supported row's logprob is not finite (non-finite
+            logits). Raised after all collectives (one host sync) on every rank of
+            ``agree_groups``, naming the trajectory, the token, the offending id and (when
+            another rank found it) that rank. Rows with support outside ``loss_mask`` whose
+            sampled token is not a member get logprob 0 and ``valid`` False.
     """
     if loss_mask.shape != sampled_ids.shape:  # before any collective: every rank checks the same
         raise ReplayDataError(
             "loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(sampled_ids.shape)}"
         )
+    check: _RowCheck | None
     if lm_head_weight is None:
-        lp, valid, need, fallback, selected = _replay_from_logits(
+        lp, valid, need, fallback, selected, check = _replay_from_logits(
             source,
             sampled_ids,
             support_ids,
@@ -423,7 +535,8 @@ def replay_logprobs(
             tp_group=tp_group,
         )
     else:
-        lp, valid = support_logprobs_from_hidden(
+        _check_common(source, sampled_ids, support_ids, temperature)
+        lp, valid, check = _support_logprobs_from_hidden(
             source,
             lm_head_weight,
             sampled_ids,
@@ -432,6 +545,8 @@ def replay_logprobs(
             chunk_size=chunk_size,
             vocab_start=vocab_start,
             tp_group=tp_group,
+            required=loss_mask.reshape(-1).to(torch.bool),
+            check=True,
         )
         need = loss_mask.to(torch.bool) & ~valid
         fallback, selected = full_vocab_logprobs_fixed_capacity(
@@ -447,16 +562,20 @@ def replay_logprobs(
         )
     uncovered = need & ~selected
     nonfinite = valid & ~torch.isfinite(lp)
-    local = _first_error(uncovered, nonfinite, trajectory_ids, sampled_ids, token_index)
+    assert check is not None
+    local = _first_error(check, uncovered, nonfinite, trajectory_ids, sampled_ids, token_index)
     groups = [g for g in agree_groups if g is not None and _tp_size(g) > 1]
     if groups:
         table, here, sizes = _agree(local, groups)
         failing = torch.nonzero(table[:, 0]).flatten().tolist()
         if failing:
             first = failing[0]
-            _raise_error(table[first].tolist(), num_trajectories, None if first == here else _coords(first, sizes))
+            # Tensor-parallel ranks find the same problems (the reduced counts): a rank whose own
+            # row is the reported one found it itself.
+            other = None if torch.equal(table[first], table[here]) else _coords(first, sizes)
+            _raise_error(table[first].tolist(), check.vocab, num_trajectories=num_trajectories, other=other)
     elif int(local[0]):
-        _raise_error(local.tolist(), num_trajectories, None)
+        _raise_error(local.tolist(), check.vocab, num_trajectories=num_trajectories)
     logprobs = torch.where(valid, lp, fallback)
     return ReplayLogprobs(logprobs, valid | selected, selected)
 
@@ -472,10 +591,10 @@ def _replay_from_logits(
     temperature: float,
     vocab_start: int,
     tp_group,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _RowCheck]:
     """:func:`support_logprobs` and :func:`full_vocab_logprobs_fixed_capacity` on the same logits
     with one gather (:class:`_GatherCandidatesAndRows`): the logits get one dense gradient, not
-    one per function plus their sum. Returns ``(lp, valid, need, fallback, selected)``."""
+    one per function plus their sum. Returns ``(lp, valid, need, fallback, selected, check)``."""
     _check_common(logits, sampled_ids, support_ids, temperature)
     prefix = sampled_ids.shape
     if trajectory_ids.shape != prefix:
@@ -485,6 +604,8 @@ def _replay_from_logits(
         raise ReplayDataError("capacity", f"got {num_trajectories}", expected=">= 0")
     v_local = logits.shape[-1]
     sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
+    required = loss_mask.reshape(-1).to(torch.bool)
+    rows_check = _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group)
     cdt = _compute_dtype(logits.dtype)
     w = local_sup.shape[1]
     need = loss_mask.to(torch.bool) & ~valid.reshape(prefix)
@@ -494,7 +615,10 @@ def _replay_from_logits(
     gathered, picked = _GatherCandidatesAndRows.apply(logits, cand.view(*prefix, w + 1), rows)
     values = gathered.reshape(-1, w + 1).to(cdt) / temperature
     y_values = torch.where(y_local, values[:, w], 0.0)
-    lp = _renormalise(values[:, :w], local_m, y_values, valid, tp_group).float().reshape(prefix)
+    lp, counted = _renormalise(values[:, :w], local_m, y_values, valid, tp_group, count=rows_check.local_count)
+    rows_check.finish(counted)
+    valid = rows_check.scored(valid)
+    lp = torch.where(valid, lp, 0.0).float().reshape(prefix)
     if plan is None:
         fallback = torch.zeros(prefix, dtype=torch.float32, device=logits.device)
         selected = torch.zeros(prefix, dtype=torch.bool, device=logits.device)
@@ -502,7 +626,7 @@ def _replay_from_logits(
         if not plan.n:
             picked = logits.new_zeros(cap, v_local)
         fallback, selected = plan.scores(picked, None, cdt, temperature, vocab_start, tp_group)
-    return lp, valid.reshape(prefix), need, fallback, selected
+    return lp, valid.reshape(prefix), need, fallback, selected, rows_check
 
 
 class _GatherCandidatesAndRows(torch.autograd.Function):
@@ -533,40 +657,168 @@ class _GatherCandidatesAndRows(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- errors
 
-_UNCOVERED, _NONFINITE = 1, 2
+# What can be wrong at one position, in the order errors are reported: the lowest kind found
+# anywhere, at its first position.
+_BAD_ID, _OUT_OF_VOCAB, _DUPLICATE, _NOT_MEMBER, _UNCOVERED, _NONFINITE = 1, 2, 3, 4, 5, 6
+#: One row of the error table: (kind, trajectory, token, target id, offending id, count).
+_ERROR_FIELDS = 6
+
+
+class _Vocab(NamedTuple):
+    """This rank's vocabulary shard, for messages."""
+
+    start: int
+    size: int
+    tp_size: int
+
+
+class _RowCheck:
+    """The support-row checks of one call, on the device, without a host sync.
+
+    Built from the flat rows ``sup [N, W]`` (long) before the renormalisation; ``local_count``
+    (``[N]``, members in this rank's shard) rides along the renormalisation's SUM all-reduce,
+    and :meth:`finish` compares the reduced count with the row's members: a member in no rank's
+    shard is outside the (global) vocabulary, without a collective of its own and without
+    knowing the other shards. ``code`` (int64 ``[N]``, 0 = fine) then holds each row's first
+    problem. Nothing here depends on where ``-1`` sits in a row or on the members' order: the
+    math treats a row as a set.
+    """
+
+    def __init__(
+        self,
+        sup: torch.Tensor,
+        sampled_ids: torch.Tensor,
+        member: torch.Tensor,
+        local_m: torch.Tensor,
+        required: torch.Tensor | None,
+        vocab_start: int,
+        v_local: int,
+        tp_group,
+    ) -> None:
+        self.sup, self.member, self.local_m = sup, member, local_m
+        self.y = sampled_ids.reshape(-1).long()
+        self.vocab = _Vocab(int(vocab_start), int(v_local), _tp_size(tp_group))
+        w = sup.shape[1]
+        # One sort per row (rows are short, W ~ 20-64) answers three questions without a
+        # reduction over W each: the smallest id, repeated ids, and (binary search) membership.
+        # On CPU torch's bool any(dim=1) costs ~5x a sum(dim=1) (torch 2.13), so none is used.
+        srt = sup.sort(dim=1).values
+        self.member_count = member.sum(dim=1)
+        self.local_count = local_m.sum(dim=1)
+        self.bad_id = srt[:, 0] < -1
+        # Equal neighbours are repeated members or the -1 padding (its count - 1 pairs); a row
+        # with other negative ids is reported as a bad id first.
+        pairs = (srt[:, 1:] == srt[:, :-1]).sum(dim=1)
+        self.duplicate = pairs > (w - 1 - self.member_count).clamp(min=0)
+        at = torch.searchsorted(srt, self.y.unsqueeze(1)).clamp(max=w - 1)
+        self.contains = (srt.gather(1, at).squeeze(1) == self.y) & (self.y >= 0)
+        self.required = required
+        self.not_member = (self.member_count > 0) & ~self.contains
+        if required is not None:
+            self.not_member &= required
+        self.code = torch.zeros_like(self.local_count)
+
+    def finish(self, counted: torch.Tensor | None) -> None:
+        """Per-row codes, given ``counted`` ``[N]``: the members found in a shard, summed over
+        the tensor-parallel ranks (floats of small integers, exact)."""
+        assert counted is not None
+        self.outside = self.member_count != counted.round().long()
+        self.code = torch.where(
+            self.bad_id,
+            _BAD_ID,
+            torch.where(
+                self.outside,
+                _OUT_OF_VOCAB,
+                torch.where(self.duplicate, _DUPLICATE, torch.where(self.not_member, _NOT_MEMBER, 0)),
+            ),
+        )
+
+    def scored(self, valid: torch.Tensor) -> torch.Tensor:
+        """``valid`` without the rows outside ``required`` whose sampled token is not a member:
+        no logprob exists there (the value would be a difference of logits, possibly > 0)."""
+        if self.required is None:
+            return valid
+        return valid & (self.contains | self.required)
+
+    def detail(self, kind: int, pos: int) -> tuple[int, int]:
+        """``(offending id, count)`` of row ``pos`` for ``kind`` (failure path only)."""
+        row = self.sup[pos]
+        if kind == _BAD_ID:
+            return int(row[row < -1][0]), 0
+        if kind == _OUT_OF_VOCAB:
+            if self.vocab.tp_size == 1:  # this shard is the vocabulary: the exact ids are known
+                outside = row[self.member[pos] & ~self.local_m[pos]]
+                return int(outside[0]), int(outside.numel())
+            return int(row.max()), 0  # another rank may hold some of them: name the largest
+        if kind == _DUPLICATE:
+            srt = row.sort().values
+            dup = (srt[1:] == srt[:-1]) & (srt[1:] >= 0)
+            return int(srt[1:][dup][0]), 0
+        return 0, 0
+
+    def raise_first(self, prefix: torch.Size) -> None:
+        """Raise for the first problem, located by its index in ``prefix`` (one host sync)."""
+        if not bool(self.code.any()):
+            return
+        kind = int(self.code[self.code > 0].min())
+        pos = int(torch.nonzero(self.code == kind)[0, 0])
+        trajectory, token = -1, pos
+        if len(prefix) >= 2:
+            inner = int(math.prod(prefix[1:]))
+            trajectory, token = divmod(pos, inner)
+        value, count = self.detail(kind, pos)
+        _raise_error([kind, trajectory, token, int(self.y[pos]), value, count], self.vocab)
+
+
+def _required(loss_mask: torch.Tensor | None, prefix: torch.Size) -> torch.Tensor | None:
+    """``loss_mask`` as flat bool ``[N]`` (None stays None), shape- and dtype-checked."""
+    if loss_mask is None:
+        return None
+    if not isinstance(loss_mask, torch.Tensor) or loss_mask.is_floating_point() or loss_mask.is_complex():
+        got = f"dtype {loss_mask.dtype}" if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
+        raise ReplayTypeError("loss_mask", f"got {got}", expected="a bool or 0/1 integer tensor")
+    if loss_mask.shape != prefix:
+        raise ReplayDataError("loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(prefix)}")
+    return loss_mask.reshape(-1).to(torch.bool)
 
 
 def _first_error(
+    check: _RowCheck,
     uncovered: torch.Tensor,
     nonfinite: torch.Tensor,
     trajectory_ids: torch.Tensor,
     sampled_ids: torch.Tensor,
     token_index: torch.Tensor | None,
 ) -> torch.Tensor:
-    """int64 ``[5]``: ``(kind, trajectory, token, target id, 0)`` of this rank's first bad
-    position (kind 0 = none). One host sync."""
-    bad = uncovered | nonfinite
-    if not bool(bad.any()):
-        return torch.zeros(5, dtype=torch.int64)
-    kind = _UNCOVERED if bool(uncovered.any()) else _NONFINITE
-    flags = (uncovered if kind == _UNCOVERED else nonfinite).reshape(-1)
+    """int64 ``[6]``: ``(kind, trajectory, token, target id, offending id, count)`` of this rank's
+    first problem (kind 0 = none): the lowest kind found, at its first position. One host sync."""
+    code = torch.where(
+        check.code > 0,
+        check.code,
+        torch.where(uncovered.reshape(-1), _UNCOVERED, torch.where(nonfinite.reshape(-1), _NONFINITE, 0)),
+    )
+    if not bool(code.any()):
+        return torch.zeros(_ERROR_FIELDS, dtype=torch.int64)
+    kind = int(code[code > 0].min())
     traj = trajectory_ids.reshape(-1).long()
-    pos = int(torch.nonzero(flags)[0, 0])
+    pos = int(torch.nonzero(code == kind)[0, 0])
     tid = int(traj[pos])
     token = int(token_index.reshape(-1)[pos]) if token_index is not None else int((traj[:pos] == tid).sum())
-    return torch.tensor([kind, tid, token, int(sampled_ids.reshape(-1)[pos]), 0], dtype=torch.int64)
+    value, count = check.detail(kind, pos)
+    target = int(sampled_ids.reshape(-1)[pos])
+    return torch.tensor([kind, tid, token, target, value, count], dtype=torch.int64)
 
 
 def _agree(local: torch.Tensor, groups: list) -> tuple[torch.Tensor, int, list[int]]:
     """Every rank's :func:`_first_error` row, on every rank of the (orthogonal) ``groups``: a
-    ``[prod(sizes), 5]`` table, this rank's row set, summed over each group in turn. Returns the
+    ``[prod(sizes), 6]`` table, this rank's row set, summed over each group in turn. Returns the
     table, this rank's row and the group sizes (row = ranks in the groups, mixed radix)."""
     sizes = [torch.distributed.get_world_size(g) for g in groups]
     ranks = [torch.distributed.get_rank(g) for g in groups]
     here = 0
     for size, rank in zip(sizes, ranks):
         here = here * size + rank
-    table = torch.zeros((math.prod(sizes), 5), dtype=torch.int64, device=_device_of(groups[0]))
+    table = torch.zeros((math.prod(sizes), _ERROR_FIELDS), dtype=torch.int64, device=_device_of(groups[0]))
     table[here] = local.to(table.device)
     for g in groups:
         _all_reduce(table, torch.distributed.ReduceOp.SUM, g)
@@ -593,23 +845,50 @@ def _device_of(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _raise_error(row: list, num_trajectories: int, other: tuple[int, ...] | None) -> None:
-    kind, tid, token, target = (int(v) for v in row[:4])
-    if kind == _UNCOVERED:
+def _raise_error(
+    row: list, vocab: _Vocab, *, num_trajectories: int | None = None, other: tuple[int, ...] | None = None
+) -> None:
+    """Raise the ``ReplayDataError`` of an error-table row (trajectory -1: not known)."""
+    kind, tid, token, target, value, count = (int(v) for v in row[:_ERROR_FIELDS])
+    if kind == _BAD_ID:
+        problem = f"support row holds id {value}"
+        expected = "member ids >= 0 and -1 as the only padding id"
+    elif kind == _OUT_OF_VOCAB:
+        if vocab.tp_size == 1:
+            problem = f"support id {value} is outside the vocabulary [{vocab.start}, {vocab.start + vocab.size})"
+            if count > 1:
+                problem += f" ({count} of the row's ids are)"
+            expected = "member ids inside the vocabulary (the logits' last dimension, the LM head's rows)"
+        else:
+            problem = (
+                f"support row holds ids in no tensor-parallel rank's vocabulary shard (largest id {value}; the "
+                f"vocabulary is split over {vocab.tp_size} ranks)"
+            )
+            expected = "member ids in [0, V), V the vocabulary summed over the tensor-parallel shards"
+    elif kind == _DUPLICATE:
+        problem = f"support id {value} appears more than once in the row (it would count twice in the normaliser)"
+        expected = "distinct ids in each support row"
+    elif kind == _NOT_MEMBER:
+        problem = (
+            f"sampled token {target} is not in its support row: its renormalised logprob does not exist "
+            "(the value would be a difference of logits, possibly positive)"
+        )
+        expected = (
+            "the sampled token in every loss-bearing support row (dense_support_batch's on_inexact policies "
+            "ensure it; rows outside the loss mask are exempt)"
+        )
+    elif kind == _UNCOVERED:
         problem = (
             f"loss-bearing position without support (target id {target}) is not its trajectory's "
             f"only one, or its trajectory id is outside [0, {num_trajectories})"
         )
         expected = "support for every loss-bearing position but one synthetic EOS per trajectory"
     else:
-        problem = (
-            f"support logprob of target id {target} is not finite: no support member lies in the "
-            "vocabulary (summed over the shards), or the logits are not finite"
-        )
-        expected = "support ids inside the vocabulary and finite logits"
+        problem = f"support logprob of target id {target} is not finite: the logits are not finite"
+        expected = "finite logits"
     if other is not None:
         problem += f" (found by another rank: ranks {other} in agree_groups)"
-    raise ReplayDataError("support_ids", problem, trajectory=tid, token=token, expected=expected)
+    raise ReplayDataError("support_ids", problem, trajectory=None if tid < 0 else tid, token=token, expected=expected)
 
 
 # --------------------------------------------------------------------------- shared math
@@ -632,14 +911,17 @@ def _renormalise(
     y_values: torch.Tensor,
     valid: torch.Tensor,
     tp_group,
-) -> torch.Tensor:
-    """``y - logsumexp(values[member])`` per row, summed over the vocabulary shards.
+    count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(y - logsumexp(values[member]), count summed)`` per row, summed over the vocabulary shards.
 
     ``values [N, M]`` (this rank's candidates, any value where ``member`` is False; ``member``
-    None = all), ``y_values [N]`` (0 where the target is not on this rank), ``valid [N]``.
-    One MAX and one SUM all-reduce when the group has more than one rank. The SUM is applied in
-    the straight-through form ``reduced + local - local.detach()``: the value is the global sum,
-    the gradient reaches this rank's own terms only, as the unsharded computation's would.
+    None = all), ``y_values [N]`` (0 where the target is not on this rank), ``valid [N]``;
+    ``count [N]`` (optional, small integers) is summed over the shards in the same all-reduce
+    and returned (None without it). One MAX and one SUM all-reduce when the group has more than
+    one rank. The SUM is applied in the straight-through form ``reduced + local -
+    local.detach()``: the value is the global sum, the gradient reaches this rank's own terms
+    only, as the unsharded computation's would.
     """
     masked = values if member is None else torch.where(member, values, _NEG_INF)
     if masked.shape[1] == 0:
@@ -651,14 +933,17 @@ def _renormalise(
         _all_reduce(row_max, torch.distributed.ReduceOp.MAX, tp_group)
     shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
     exp = torch.exp(masked - shift.unsqueeze(1))
-    stats = torch.stack([exp.sum(dim=1), y_values])
+    parts = [exp.sum(dim=1), y_values]
+    if count is not None:
+        parts.append(count.to(exp.dtype))
+    stats = torch.stack(parts)
     if distributed:
         reduced = stats.detach().clone()
         _all_reduce(reduced, torch.distributed.ReduceOp.SUM, tp_group)
         stats = reduced + (stats - stats.detach())
     denom = torch.where(valid, stats[0], 1.0)
     lp = stats[1] - shift - torch.log(denom)
-    return torch.where(valid, lp, 0.0)
+    return torch.where(valid, lp, 0.0), None if count is None else stats[2].detach()
 
 
 def _localise(sampled_ids, support_ids, vocab_start: int, v_local: int):

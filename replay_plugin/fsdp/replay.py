@@ -20,9 +20,9 @@ import torch.distributed
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 from replay_plugin.core.logprobs import (
     DEFAULT_CHUNK_SIZE,
+    _support_logprobs,
+    _support_logprobs_from_hidden,
     full_vocab_logprobs_fixed_capacity,
-    support_logprobs,
-    support_logprobs_from_hidden,
 )
 
 __all__ = ["response_logprobs"]
@@ -91,10 +91,13 @@ def response_logprobs(
     Raises:
         ReplayDataError / ReplayTypeError naming the field (and trajectory, token index within
         the response where it applies): replay on without ``support_ids`` or ``loss_mask``;
-        shapes or width that disagree; support ids outside the vocabulary; ``indices`` that are
-        not the attention mask's valid positions; a loss-bearing token that has no predicting position,
-        that has a support row not containing it, or that is its trajectory's second
-        loss-bearing token without support; a supported logprob that is not finite.
+        shapes or width that disagree; support ids outside the vocabulary or negative other
+        than ``-1``, or an id twice in one row (any row, loss-bearing or not); ``indices`` that
+        are not the attention mask's valid positions; a loss-bearing token that has no
+        predicting position, that has a support row not containing it, or that is its
+        trajectory's second loss-bearing token without support; a supported logprob that is not
+        finite. A row outside the loss mask whose token is not in it (``on_inexact="mask"``)
+        scores 0.
     """
     if (
         isinstance(temperature, bool)
@@ -285,9 +288,9 @@ def _replay_metadata(input_ids, mask, num_actions, support_ids, loss_mask, width
 
 def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, num_actions) -> None:
     """Reject, naming trajectory and response token: support ids ``[B, S, W]`` outside the
-    vocabulary, loss-bearing tokens (``tmask`` ``[B, S]``) without a predicting position, loss-
-    bearing rows that lack their token, and a second unsupported loss-bearing token in a row.
-    One host sync; rows are located only on failure."""
+    vocabulary or repeated in a row, loss-bearing tokens (``tmask`` ``[B, S]``) without a
+    predicting position, loss-bearing rows that lack their token, and a second unsupported
+    loss-bearing token in a row. One host sync; rows are located only on failure."""
     seq = input_ids.shape[1]
     supported = (support >= 0).any(dim=2)
     contains = (support == input_ids.unsqueeze(2).long()).any(dim=2)
@@ -296,7 +299,9 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
     unsupported = tmask & ~supported
     extra = unsupported & (unsupported.cumsum(dim=1) > 1)
     outside = (support >= vocab).any(dim=2) | (support < -1).any(dim=2)
-    checks = torch.stack([outside.any(), no_predictor.any(), not_member.any(), extra.any()]).tolist()
+    srt = support.sort(dim=2).values  # a repeated member would count twice in the normaliser
+    repeated = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(dim=2)
+    checks = torch.stack([outside.any(), repeated.any(), no_predictor.any(), not_member.any(), extra.any()]).tolist()
     if not any(checks):
         return
     first = seq - num_actions
@@ -308,6 +313,15 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
             trajectory=b,
             token=s - first,
             expected=f"ids in [0, {vocab}) and -1 padding",
+        )
+    if checks.pop(0):
+        b, s = (int(v) for v in repeated.nonzero()[0])
+        raise ReplayDataError(
+            "support_ids",
+            f"row {support[b, s].tolist()} holds an id twice (it would count twice in the normaliser)",
+            trajectory=b,
+            token=s - first,
+            expected="distinct ids in each support row",
         )
     if checks[0]:
         b, s = (int(v) for v in no_predictor.nonzero()[0])
@@ -357,9 +371,22 @@ def _replay_local(src, target, input_ids, support, tmask, batch, seq, lm_head_we
     need_mask = _gather_rows(tmask, target, False)
     traj = torch.where(target >= 0, target // seq, -1)
     if lm_head_weight is not None:
-        lp, valid = support_logprobs_from_hidden(
-            src, lm_head_weight, sampled, sup, temperature=temperature, chunk_size=chunk_size
+        # The rows were checked on the whole batch (_check_support_rows): no second check here.
+        lp, valid, _ = _support_logprobs_from_hidden(
+            src,
+            lm_head_weight,
+            sampled,
+            sup,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            vocab_start=0,
+            tp_group=None,
+            required=None,
+            check=False,
         )
+        # A row outside the loss whose token is not in it (on_inexact="mask") has no logprob.
+        valid = valid & ((sup == sampled.unsqueeze(-1)).any(dim=-1) | need_mask)
+        lp = torch.where(valid, lp, 0.0)
         # Fixed capacity B on every rank: the same work and no data-dependent branch, wherever
         # the synthetic EOS rows fall (their uniqueness per trajectory was checked on the batch).
         full, selected = full_vocab_logprobs_fixed_capacity(
@@ -401,7 +428,19 @@ def _replay_from_logits(logits, sampled, sup, need_mask, traj, batch, temperatur
     cand = torch.cat([rows_sup.long().clamp(min=0), y.unsqueeze(1)], dim=1)
     compact, picked = _SelectLogits.apply(flat, cand, rows)
     columns = torch.where(member, torch.arange(w, device=device), -1)
-    lp, _ = support_logprobs(compact, torch.full_like(y, w), columns, temperature=temperature)
+    # Column w (the sampled id's logit) is never a member of `columns`: score it unchecked.
+    lp, _, _ = _support_logprobs(
+        compact,
+        torch.full_like(y, w),
+        columns,
+        temperature=temperature,
+        vocab_start=0,
+        tp_group=None,
+        required=None,
+        check=False,
+    )
+    # A row outside the loss whose token is not in it (on_inexact="mask") has no logprob.
+    valid = valid & ((rows_sup == y.unsqueeze(1)).any(dim=1) | need_mask.reshape(-1))
     full, _ = full_vocab_logprobs_fixed_capacity(
         picked, y.index_select(0, rows), has, torch.arange(batch, device=device), batch, temperature=temperature
     )

@@ -57,6 +57,7 @@ def support_logprobs(
     temperature: float = 1.0,
     model: Any = None,
     pg_collection: Any = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Support-renormalised logprobs on Megatron's vocab-parallel logits.
 
@@ -71,12 +72,22 @@ def support_logprobs(
         temperature: ``T > 0``; the gathered logits are divided by it.
         model, pg_collection: where the tensor-parallel group comes from: ``pg_collection``,
             else the model's (``GPTModel(..., pg_collection=)``), else ``parallel_state``.
+        loss_mask: ``[b, s]`` bool, the rows whose sampled token must be in their support row
+            (default: every row with support); rows with support outside it whose token is not
+            in the row score 0 with ``valid`` False.
 
     Returns:
         ``(logprobs, valid)``: float32 ``[b, s]`` and bool ``[b, s]`` (False where the row has
         no support; logprob 0 there). Values, and the gradient of this rank's logits shard,
         equal :func:`replay_plugin.core.logprobs.support_logprobs` on the logits gathered over
         the tensor-parallel group. Two ``all_reduce`` calls when ``tp > 1``.
+
+    Raises:
+        ReplayDataError naming the row (``trajectory`` = batch row, ``token`` = position) and
+        the id: a support id outside the global vocabulary (``V/tp`` times the tensor-parallel
+        size: a member must lie in some rank's shard), a negative id other than ``-1``, an id
+        twice in a row, a required row without its sampled token. Checked on the device with
+        one host sync, after the two all-reduces, identically on every tensor-parallel rank.
     """
     g = groups_of(model, pg_collection)
     return core.support_logprobs(
@@ -86,6 +97,7 @@ def support_logprobs(
         temperature=temperature,
         vocab_start=_vocab_start(logits.shape[-1], g.tp_rank, g.tp_size),
         tp_group=_reduce(g.tp, g.tp_size),
+        loss_mask=loss_mask,
     )
 
 
@@ -133,7 +145,10 @@ def replay_response_logprobs(
             ``support_ids[b, s]`` is the support the sampler had for token
             ``input_ids[b, s]``, ``-1`` padding, all ``-1`` where none (prompt, padding,
             synthetic EOS): ``DenseSupport.ids`` of
-            :func:`replay_plugin.core.support.dense_support_batch`. None = replay off.
+            :func:`replay_plugin.core.support.dense_support_batch`. None = replay off. Member
+            ids lie in the global vocabulary (``V/tp`` times the tensor-parallel size), are
+            distinct within a row, and a loss-bearing row contains its token; rows outside the
+            loss mask that lack their token (``on_inexact="mask"``) score 0.
         loss_mask: response loss mask, required with ``support_ids``: bool or 0/1,
             ``[B, S]`` in the grid (``DenseSupport.loss_mask``), or ``[B, n]`` with
             ``n < S`` for the last ``n`` columns of the grid (a trainer's
@@ -173,11 +188,14 @@ def replay_response_logprobs(
         position, a trajectory with more than one loss-bearing token without support, shapes
         that do not match the layout (e.g. sequence-first logits), a layout built for another
         context-parallel rank; and, from :func:`replay_plugin.core.logprobs.replay_logprobs`,
-        support rows whose logprob is not finite. The input checks run before any collective
-        on inputs every tensor- and context-parallel rank holds whole (the batch grid); the
-        data-dependent ones (non-finite logprobs of a rank's shard) are agreed over both
-        groups before raising, so every rank raises the same error instead of one rank raising
-        while its peers wait in the context-parallel gather.
+        on the rows this rank scores: a support id outside the global vocabulary, a negative
+        id other than ``-1``, an id twice in a row, a loss-bearing row without its token, a
+        logprob that is not finite. The input checks run before any collective on inputs every
+        tensor- and context-parallel rank holds whole (the batch grid); the data-dependent ones
+        (the support rows of a rank's slots, found on the device in the host sync that was
+        there already) are agreed over both groups before raising, so every rank raises the
+        same error instead of one rank raising while its peers wait in the context-parallel
+        gather.
 
     Loss scaling under context parallelism: the result covers the whole microbatch, identical
     on every context-parallel rank, while its backward reaches only this rank's shard. Megatron
@@ -478,7 +496,9 @@ def _check_targets(attention: torch.Tensor, mask: torch.Tensor, support: torch.T
     support (its synthetic EOS). One host sync; located only on failure."""
     predecessor = attention & (attention.long().cumsum(dim=1) >= 2)
     orphan = mask & ~predecessor
-    unsupported = mask & ~(support >= 0).any(dim=-1)
+    # All -1 = no support. A row of other negative ids is not "no support" but bad data, which
+    # core.replay_logprobs names as such (here it would pass for a second synthetic EOS).
+    unsupported = mask & (support == -1).all(dim=-1)
     extra = unsupported & (unsupported.long().cumsum(dim=1) >= 2)
     if not bool((orphan | extra).any()):
         return

@@ -29,6 +29,12 @@ One subprocess group of two gloo ranks runs every multi-rank check:
   returns the unsharded result, and each rank's logits gradient is its shard of the
   unsharded gradient.
 
+A second TP=2 run checks the support rows against the global vocabulary (64, not the 32 of a
+shard): ids of the other rank's shard are members, an id past the last shard, a negative id
+other than -1, a repeated id or a loss-bearing row without its token is refused by both ranks
+with the same error and the same collectives as a good call; a row outside the loss without its
+token scores 0.
+
 Refusals (support without loss mask, width mismatch, controller-packed rows, ...) run in the
 single-rank worker.
 """
@@ -611,6 +617,158 @@ def test_context_parallel_ranks_agree_before_raising(fused):
 
 
 # --------------------------------------------------------------------------------------
+# tensor parallelism: support ids are checked against the global vocabulary
+
+
+def scenario_tp_support_ids(rank: int) -> dict:
+    """TP=2 (vocabulary 64, 32 per rank). Support rows hold ids of both shards. Each bad row is
+    refused by both ranks alike, after the same collectives as a good call (no collective of its
+    own), naming the grid position; rows outside the loss without their token score 0."""
+    import torch
+    from megatron.core import parallel_state
+
+    from replay_plugin.core import logprobs as core
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.core.layout import TokenMetadataLayout
+    from replay_plugin.megatron import replay_response_logprobs, support_logprobs
+
+    assert parallel_state.get_tensor_model_parallel_world_size() == 2
+    ids, attention, loss = _batch()
+    g = torch.Generator().manual_seed(21)  # the same draws on both ranks
+    ids[loss] = torch.randint(3, V, (int(loss.sum()),), generator=g)
+    ids[1, S - 1] = EOS
+    support = torch.full((B, S, K), -1, dtype=torch.int32)
+    support[loss, 0] = ids[loss].int()
+    support[loss, 1] = ((ids[loss] + V // 2 + 1) % V).int()  # a member of the other half
+    support[1, S - 1] = -1  # row 1's synthetic EOS: loss-bearing, no support
+    layout = TokenMetadataLayout.build(attention, packed=False, align=2)
+    rows, length = layout.output_shape
+    shard = slice(rank * V // 2, (rank + 1) * V // 2)
+    full = torch.randn(rows, length, V, generator=g)
+    logits = full[..., shard].contiguous()
+    hidden = torch.randn(length, rows, H, generator=g)
+    weight = torch.randn(V, H, generator=g)[shard].contiguous()
+    b, s = 0, S - 2  # the bad row's grid position: a loss-bearing response token
+    prompt = (0, S - LENGTHS[0] + 2)  # a prompt token that is scored (outside the loss)
+
+    def run(sup, mask, fused):
+        out_kw = {"output_weight": weight} if fused else {}
+        source = hidden if fused else logits
+        with _count_collectives() as counts:
+            try:
+                value = replay_response_logprobs(source, ids, layout, support_ids=sup, loss_mask=mask, **out_kw)
+                return {"value": value, "collectives": counts}
+            except ReplayDataError as exc:
+                err = {"field": exc.field, "trajectory": exc.trajectory, "token": exc.token, "message": str(exc)}
+                return {"error": err, "collectives": counts}
+
+    def bad(kind):
+        sup, mask = support.clone(), loss.clone()
+        token = int(ids[b, s])
+        if kind == "beyond_vocabulary":
+            sup[b, s, 2] = V
+        elif kind == "beyond_vocabulary_outside_loss":
+            sup[prompt] = torch.tensor([int(ids[prompt]), V, -1, -1], dtype=torch.int32)
+        elif kind == "negative":
+            sup[b, s, 2] = -3
+        elif kind == "duplicate":
+            sup[b, s, 2] = sup[b, s, 1]
+        elif kind in ("not_member", "not_member_outside_loss"):
+            sup[b, s, 0] = (token + 2) % V
+            mask[b, s] = kind == "not_member"
+        return sup, mask
+
+    # what a good call gives: the logits path against the core function on the gathered logits,
+    # the fused path against the logits path on this rank's projection of the same hidden states
+    reference = core.replay_logprobs(
+        full,
+        layout.align(ids, 0, next_token=True),
+        layout.align(support, -1, next_token=True),
+        layout.align(loss, False, next_token=True),
+        layout.align(torch.arange(B).unsqueeze(1).expand(B, S), -1, next_token=True),
+        B,
+    ).logprobs
+    projected = (hidden.transpose(0, 1) @ weight.t()).contiguous()  # [rows, length, V/tp]
+    via_logits = replay_response_logprobs(projected, ids, layout, support_ids=support, loss_mask=loss)
+    out: dict = {}
+    for fused in (False, True):
+        good = run(support, loss, fused)
+        expected = via_logits if fused else layout.restore(reference, 0.0)
+        entry: dict = {"good_collectives": good["collectives"], "good": _max_diff(good["value"], expected)}
+        for kind in (
+            "beyond_vocabulary",
+            "beyond_vocabulary_outside_loss",
+            "negative",
+            "duplicate",
+            "not_member",
+            "not_member_outside_loss",
+        ):
+            sup, mask = bad(kind)
+            res = run(sup, mask, fused)
+            if "value" in res:
+                keep = torch.ones(B, S - 1, dtype=torch.bool)
+                keep[b, s - 1] = False
+                res = {
+                    "at_row": float(res["value"][b, s - 1]),
+                    "others_vs_good": _max_diff(res["value"][keep], good["value"][keep]),
+                    "collectives": res["collectives"],
+                }
+            entry[kind] = res
+        out["fused" if fused else "logits"] = entry
+
+    # the low-level call on the vocab-parallel logits: the other rank's ids are members, V is not
+    sampled = layout.align(ids, 0, next_token=True)
+    sup = layout.align(support, -1, next_token=True)
+    low, _ = support_logprobs(logits, sampled, sup)
+    ref, _ = core.support_logprobs(full, sampled, sup)
+    out["low_level_good"] = _max_diff(low, ref)
+    sup_bad = layout.align(bad("beyond_vocabulary")[0], -1, next_token=True)
+    try:
+        support_logprobs(logits, sampled, sup_bad)
+        out["low_level_bad"] = None
+    except ReplayDataError as exc:
+        out["low_level_bad"] = {"trajectory": exc.trajectory, "token": exc.token, "message": str(exc)}
+    return out
+
+
+def test_tensor_parallel_support_ids_are_checked_against_the_global_vocabulary():
+    """Before, a support id >= V (or < -1) was dropped from the normaliser, a repeated id counted
+    twice and a loss-bearing row without its token scored a difference of logits, all silently."""
+    need("megatron-core")
+    ranks = harness.run_ranks(scenario_tp_support_ids, 2, parallel={"tp": 2})
+    b, s = 0, S - 2
+    for path in ("logits", "fused"):
+        per_rank = [r[path] for r in ranks]
+        for rank, res in enumerate(per_rank):
+            good_counts = res["good_collectives"]
+            assert res["good"] < 1e-5, (path, res["good"])
+            # 2 + 2 all_reduce (support, synthetic EOS) + 1 agreement on errors
+            assert good_counts["all_reduce"] == 5, good_counts
+            for kind, text in (
+                ("beyond_vocabulary", f"largest id {V}; the vocabulary is split over 2 ranks"),
+                ("negative", "support row holds id -3"),
+                ("duplicate", "appears more than once"),
+                ("not_member", "is not in its support row"),
+            ):
+                err = res[kind].get("error")
+                assert err is not None, (path, rank, kind, res[kind])
+                assert (err["field"], err["trajectory"], err["token"]) == ("support_ids", b, s), (path, kind, err)
+                assert text in err["message"], (path, kind, err)
+                assert res[kind]["collectives"] == good_counts, (path, kind)  # no collective of its own
+            outside = res["beyond_vocabulary_outside_loss"].get("error")
+            assert outside is not None and (outside["trajectory"], outside["token"]) == (0, S - LENGTHS[0] + 2)
+            masked = res["not_member_outside_loss"]
+            assert masked["at_row"] == 0.0 and masked["others_vs_good"] < 1e-6, masked
+        for kind in ("beyond_vocabulary", "negative", "duplicate", "not_member", "beyond_vocabulary_outside_loss"):
+            assert per_rank[0][kind]["error"] == per_rank[1][kind]["error"], kind  # every rank, the same error
+    for res in ranks:
+        assert res["low_level_good"] < 1e-5
+        bad = res["low_level_bad"]
+        assert bad is not None and f"largest id {V}" in bad["message"], bad
+    assert ranks[0]["low_level_bad"] == ranks[1]["low_level_bad"]
+
+
+# --------------------------------------------------------------------------------------
 # process groups: the model's pg_collection, in the driver and in support replay
 
 
@@ -718,6 +876,8 @@ def scenario_refusals() -> dict:
 
     two_eos = support.copy()
     two_eos[1, S - 2] = -1
+    negative_row = support.copy()
+    negative_row[1, S - 2] = -5  # not "no support" (all -1): bad data, in trajectory 1 with its EOS
     first_token = loss.clone()
     first_token[0, 0] = True
     return {
@@ -728,6 +888,7 @@ def scenario_refusals() -> dict:
         "controller_packed": refusal(sub_sequence_lengths=[[12], [4, 5], [7]]),
         "sub_sequence_length": refusal(sub_sequence_lengths=[[12], [8], [7]]),
         "two_eos": refusal(support_ids=two_eos),
+        "negative_row": refusal(support_ids=negative_row),
         "first_token": refusal(loss_mask=first_token),
         "support_shape": refusal(support_ids=support[:, 1:]),
         "support_dtype": refusal(support_ids=support.astype(np.float32)),
@@ -747,6 +908,9 @@ def test_refusals():
     assert "controller-packed" in r["controller_packed"]["message"]
     assert r["sub_sequence_length"]["trajectory"] == 1 and "9" in r["sub_sequence_length"]["message"]
     assert (r["two_eos"]["field"], r["two_eos"]["trajectory"], r["two_eos"]["token"]) == ("support_ids", 1, S - 1)
+    neg = r["negative_row"]
+    assert (neg["field"], neg["trajectory"], neg["token"]) == ("support_ids", 1, S - 2), neg
+    assert "holds id -5" in neg["message"], neg  # not mistaken for a second synthetic EOS
     assert (r["first_token"]["field"], r["first_token"]["trajectory"], r["first_token"]["token"]) == ("loss_mask", 0, 0)
     assert r["support_shape"]["field"] == "support_ids"
     assert (r["support_dtype"]["type"], r["support_dtype"]["field"]) == ("ReplayTypeError", "support_ids")

@@ -118,14 +118,17 @@ def test_fused_values_and_grads_match_reference_and_explicit(seed, method, monke
 
 
 @pytest.mark.parametrize("method", ["sparse", "gather"])
-def test_fused_handles_duplicates_leading_dims_and_only_one_grad(method, monkeypatch):
+def test_fused_handles_duplicate_candidates_leading_dims_and_only_one_grad(method, monkeypatch):
     monkeypatch.setattr(lp_mod, "_projection_method", lambda h, w: method)
     g = torch.Generator().manual_seed(7)
     b, s, w, v, hdim = 2, 5, 4, 30, 6
-    support = torch.randint(0, v, (b, s, w), generator=g, dtype=torch.int32)
-    support[0, 0] = torch.tensor([3, 3, 3, -1])  # duplicates (rejected upstream, still consistent)
+    support = torch.stack([torch.randperm(v, generator=g)[:w] for _ in range(b * s)]).view(b, s, w).int()
+    support[0, 0] = torch.tensor([3, 8, -1, -1])
     support[1, 2] = -1
+    # The sampled id is a member: every row's candidates [members..., sampled] hold a duplicate,
+    # which the projection computes once (sparse) and whose gradients it folds together.
     sampled = support[..., 0].long().clone()
+    sampled[0, 1] = int(support[0, 1, w - 1])
     sampled[1, 2] = 5
     hidden = torch.randn(b, s, hdim, generator=g, dtype=torch.float64)
     weight = torch.randn(v, hdim, generator=g, dtype=torch.float64)
@@ -295,15 +298,31 @@ def test_replay_logprobs_combines_support_and_synthetic_eos(use_hidden):
 
 def test_replay_logprobs_reports_rows_without_member_in_the_vocabulary():
     logits = torch.randn(2, 3, 10)
-    y = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    support = torch.tensor([[[1, 2], [2, -1], [3, 4]], [[4, -1], [5, 12], [17, 18]]], dtype=torch.int32)
+    y = torch.tensor([[1, 2, 3], [4, 5, 17]])
+    support = torch.tensor([[[1, 2], [2, -1], [3, 4]], [[4, -1], [5, 6], [17, 18]]], dtype=torch.int32)
     traj = torch.tensor([[0, 0, 0], [1, 1, 1]])
     loss = torch.ones(2, 3, dtype=torch.bool)
-    lp, valid = support_logprobs(logits, y, support)
-    assert bool(valid[1, 2]) and torch.isinf(lp[1, 2])
+    # (before: an infinite logprob from support_logprobs, "not finite" from replay_logprobs)
+    with pytest.raises(ReplayDataError) as err:
+        support_logprobs(logits, y, support)
+    assert (err.value.trajectory, err.value.token, err.value.field) == (1, 2, "support_ids")
     with pytest.raises(ReplayDataError) as err:
         replay_logprobs(logits, y, support, loss, traj, 2)
     assert (err.value.trajectory, err.value.token, err.value.field) == (1, 2, "support_ids")
+    assert "support id 17 is outside the vocabulary [0, 10)" in str(err.value)
+    assert "2 of the row's ids" in str(err.value)
+
+
+def test_replay_logprobs_reports_non_finite_logits():
+    logits = torch.randn(2, 3, 10)
+    logits[1, 1] = float("nan")
+    y = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    support = torch.tensor([[[1, 2], [2, -1], [3, 4]], [[4, -1], [5, 6], [6, 7]]], dtype=torch.int32)
+    traj = torch.tensor([[0, 0, 0], [1, 1, 1]])
+    loss = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ReplayDataError) as err:
+        replay_logprobs(logits, y, support, loss, traj, 2)
+    assert (err.value.trajectory, err.value.token, err.value.field) == (1, 1, "support_ids")
     assert "not finite" in str(err.value)
 
 

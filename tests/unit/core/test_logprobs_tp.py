@@ -3,6 +3,8 @@
 Each rank holds a contiguous vocabulary shard; results and gradients must equal the unsharded
 computation, and every call must make the same number of all_reduce calls whatever the data
 (batches with and without synthetic EOS rows, rows whose members all live on another rank).
+Support ids are checked against the global vocabulary (the sum of the shards), with every rank
+raising the same error and no collective of its own.
 """
 
 from __future__ import annotations
@@ -213,3 +215,77 @@ def _check_agree(rank, world):
 
 def test_ranks_agree_before_raising():
     _spawn("_check_agree", 2)
+
+
+def _check_tp_vocabulary(rank, world):
+    """Ids of another rank's shard are members; an id past the last shard is refused by every
+    rank alike (before: dropped from the normaliser, silently), with no extra collective."""
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.core.logprobs import replay_logprobs, support_logprobs, support_logprobs_from_hidden
+
+    group = dist.new_group(list(range(world)))
+    shard = V // world
+    lo = rank * shard
+    hidden, weight, y, support, loss, traj, _ = _inputs(with_eos=True)
+    y, support = y.clone(), support.clone()
+    support[0, 1] = torch.tensor([V - 1, 0, -1, -1, -1])  # both ends of the vocabulary: fine
+    y[0, 1] = V - 1
+    w_local = weight[lo : lo + shard]
+    logits_local = (hidden @ weight.t())[..., lo : lo + shard]
+    full = hidden @ weight.t()
+
+    def calls(sup):
+        yield "logits", lambda: support_logprobs(logits_local, y, sup, vocab_start=lo, tp_group=group)
+        yield "hidden", lambda: support_logprobs_from_hidden(hidden, w_local, y, sup, vocab_start=lo, tp_group=group)
+        yield (
+            "replay",
+            lambda: replay_logprobs(
+                logits_local, y, sup, loss, traj, B, vocab_start=lo, tp_group=group, agree_groups=[group]
+            ),
+        )
+        yield (
+            "replay_hidden",
+            lambda: replay_logprobs(
+                hidden,
+                y,
+                sup,
+                loss,
+                traj,
+                B,
+                lm_head_weight=w_local,
+                vocab_start=lo,
+                tp_group=group,
+                agree_groups=[group],
+            ),
+        )
+
+    counter = _Counter()
+    torch.distributed.all_reduce = counter
+    try:
+        good = {}
+        for name, call in calls(support):
+            before = counter.calls
+            good[name] = (call(), counter.calls - before)
+        lp_ref, _ = support_logprobs(full, y, support)
+        torch.testing.assert_close(good["logits"][0][0], lp_ref, rtol=1e-5, atol=1e-6)
+        for name in ("hidden", "replay", "replay_hidden"):
+            lp = good[name][0][0] if name == "hidden" else good[name][0].logprobs
+            torch.testing.assert_close(lp[support[..., 0] >= 0], lp_ref[support[..., 0] >= 0], rtol=1e-5, atol=1e-6)
+        bad = support.clone()
+        bad[2, 3] = torch.tensor([int(y[2, 3]), V, -1, -1, -1])  # V: past the last shard
+        for name, call in calls(bad):
+            before = counter.calls
+            with pytest.raises(ReplayDataError) as err:
+                call()
+            assert counter.calls - before == good[name][1], name  # raised after the same collectives
+            e = err.value
+            assert (e.field, e.trajectory, e.token) == ("support_ids", 2, 3), (name, str(e))
+            assert f"largest id {V}" in str(e) and f"split over {world} ranks" in str(e), str(e)
+            assert "another rank" not in str(e)  # every rank found it itself
+    finally:
+        torch.distributed.all_reduce = counter.real
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_support_ids_are_checked_against_the_global_vocabulary(world):
+    _spawn("_check_tp_vocabulary", world)
