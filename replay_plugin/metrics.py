@@ -5,8 +5,10 @@ formula, shape and unit, and where they follow or leave verl's ``rollout_corr/*`
 
     from replay_plugin.metrics import mismatch_metrics
 
-    metrics = mismatch_metrics(trainer_logprobs, rollout_logprobs, response_mask.bool())
-    logger.log({k: v.item() for k, v in metrics.items()})  # the only host synchronisation
+    # Megatron: replay_response_logprobs(...) is [B, S - 1]; position s scores token s + 1
+    metrics = mismatch_metrics(logprobs, rollout_logprobs[:, 1:], response_mask[:, 1:].bool())
+    values = torch.stack(list(metrics.values())).tolist()  # the one copy to the host
+    logger.log(dict(zip(metrics, values)))
 """
 
 from __future__ import annotations

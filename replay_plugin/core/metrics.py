@@ -142,8 +142,9 @@ def mismatch_metrics(
         trainer_logprobs: ``[B, T]`` float (bf16, fp16, fp32 or fp64): the trainer's logprob of
             each token, e.g. :func:`replay_plugin.megatron.replay_response_logprobs`'s
             ``[B, S - 1]`` (or ``[B, num_actions]``) output or
-            :func:`replay_plugin.fsdp.response_logprobs`'s ``[B, A]``. May require grad (the
-            metrics are computed under ``torch.no_grad``).
+            :func:`replay_plugin.fsdp.response_logprobs`'s ``[B, A]`` (then pass the rollout's
+            logprobs and the response mask of a ``[B, S]`` grid as ``x[:, 1:]`` / ``x[:, -A:]``).
+            May require grad (the metrics are computed under ``torch.no_grad``).
         rollout_logprobs: ``[B, T]`` float: the engine's logprob of the same tokens, same grid.
         response_mask: ``[B, T]`` **bool**, True at the scored tokens. Values elsewhere in the
             logprobs are never read (padding may hold 0, -inf or NaN).
