@@ -3,9 +3,11 @@
 Forward + backward, float32, in one process: ``support_logprobs_from_hidden`` against the
 full-vocabulary path and against skyrl 0.4.0's fused support path (when importable), on random
 and Zipf-distributed supports; ``support_logprobs`` against ``log_softmax`` + gather; and
-``support_from_flat_logprobs`` at top_k 20 from numpy arrays and Python lists. Time is the best
-of interleaved runs after a warm-up; peak memory is measured per method in a fresh subprocess
-(``bench._memory``).
+``support_from_flat_logprobs`` at top_k 20 from numpy arrays and Python lists; and the cost of
+``replay_plugin.metrics.mismatch_metrics`` on the step's T tokens against the support-logprob
+step it accompanies (without routes, and with route agreement over 48 layers x top-8). Time is
+the best of interleaved runs after a warm-up; peak memory is measured per method in a fresh
+subprocess (``bench._memory``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ BENCH = "logprobs"
 FULL_SHAPE = {"tokens": 4096, "hidden": 1024, "vocab": 65536, "width": 32}
 QUICK_SHAPE = {"tokens": 256, "hidden": 128, "vocab": 4096, "width": 8}
 PEER_CHUNKS = (4096, 16384, 65536)
+METRICS_ROWS = 8  # the step's T tokens as [8, T / 8] sequences
+METRICS_ROUTES = (48, 8, 128)  # layers, top-k, experts (a Qwen3-30B-A3B-sized router)
+METRICS_CALLS = 20  # calls per timed round (one call is ~1 ms: below the timer's noise)
 FLAT_TOKENS, FLAT_TOP_K = 65536, 20
 
 
@@ -191,6 +196,39 @@ def _best_time(step: Callable[[], object], repeats: int) -> float:
     return best
 
 
+def _metrics_step_fn(shape: dict, routes: bool) -> Callable[[], None]:
+    """``METRICS_CALLS`` calls of ``mismatch_metrics`` on ``[8, T / 8]`` float32 logprobs (the
+    trainer's requiring grad, as in a loss function; ragged rows), with routes: uint8 rollout
+    routes ``[8, T / 8, L, K]`` against int64 trainer routes in another order, 10% of the (token,
+    layer) pairs on another expert."""
+    import torch
+
+    from replay_plugin.metrics import mismatch_metrics
+
+    g = torch.Generator().manual_seed(4)
+    rows, cols = METRICS_ROWS, shape["tokens"] // METRICS_ROWS
+    rollout = -torch.rand(rows, cols, generator=g) * 4.0
+    trainer = (rollout + 0.01 * torch.randn(rows, cols, generator=g)).clamp(max=0.0).requires_grad_()
+    lengths = torch.randint(cols // 2, cols + 1, (rows,), generator=g)
+    lengths[0] = cols
+    mask = torch.arange(cols)[None, :] < lengths[:, None]
+    kwargs = {}
+    if routes:
+        layers, k, experts = METRICS_ROUTES
+        base = torch.randint(0, experts, (rows, cols, layers, 1), generator=g)
+        engine = (base + torch.arange(k) * (experts // k)) % experts  # k distinct experts
+        moved = torch.rand(rows, cols, layers, generator=g) < 0.1
+        own = engine.flip(-1).clone()
+        own[..., 0] = torch.where(moved, (own[..., 0] + 1) % experts, own[..., 0])
+        kwargs = {"trainer_routes": own, "rollout_routes": engine.to(torch.uint8)}
+
+    def step() -> None:
+        for _ in range(METRICS_CALLS):
+            mismatch_metrics(trainer, rollout, mask, **kwargs)
+
+    return step
+
+
 # --------------------------------------------------------------------------- peak memory
 
 
@@ -238,6 +276,41 @@ def _flat_inputs(tokens: int, top_k: int):
     return arrays, lists
 
 
+def _metrics_results(best: dict, shape: dict, repeats: int) -> list[Result]:
+    t_step = best["replay"]
+    t_plain = best["metrics"] / METRICS_CALLS
+    t_routes = best["metrics_routes"] / METRICS_CALLS
+    grid = f"[{METRICS_ROWS}, {shape['tokens'] // METRICS_ROWS}]"
+    layers, k, _ = METRICS_ROUTES
+    rounds = f"best of {repeats} rounds interleaved with the step, {METRICS_CALLS} calls a round"
+    return [
+        Result(BENCH, "metrics_time", t_plain * 1e3, "ms", note=f"mismatch_metrics, {grid} float32, {rounds}"),
+        Result(
+            BENCH,
+            "metrics_cost_per_support_step",
+            t_plain / t_step,
+            "x",
+            goal="<= 0.01",
+            note=f"metrics cost / support-logprob step (T={shape['tokens']}): mismatch_metrics on the "
+            "step's tokens vs support_logprobs_from_hidden fwd+bwd (fused_random_time)",
+        ),
+        Result(
+            BENCH,
+            "metrics_routes_time",
+            t_routes * 1e3,
+            "ms",
+            note=f"with route agreement, routes {grid[:-1]}, {layers}, {k}] uint8 (engine) vs int64 (trainer)",
+        ),
+        Result(
+            BENCH,
+            "metrics_routes_cost_per_support_step",
+            t_routes / t_step,
+            "x",
+            note=f"route agreement grows with layers x top-k ({layers} x {k}), not with the LM-head step",
+        ),
+    ]
+
+
 # --------------------------------------------------------------------------- run
 
 
@@ -264,8 +337,13 @@ def run(quick: bool = False) -> list[Result]:
         chunks = PEER_CHUNKS[1:2] if quick else PEER_CHUNKS
         if peer is not None:
             fast.update({f"peer_{c}": _step_fn("peer", inputs, c) for c in chunks})
+        if kind == "random":  # the metrics a trainer logs next to this step, in the same rounds
+            fast["metrics"] = _metrics_step_fn(shape, routes=False)
+            fast["metrics_routes"] = _metrics_step_fn(shape, routes=True)
         best = _interleaved_best(fast, repeats)
         t_replay = best["replay"]
+        if kind == "random":
+            results.extend(_metrics_results(best, shape, repeats))
         full_repeats = 1 if not quick else repeats  # ~10 s a step at full size
         t_full = _best_time(_step_fn("full", inputs), full_repeats)
         best_chunk, t_peer = None, None  # type: tuple[int | None, float | None]

@@ -146,12 +146,18 @@ def run(args: Any) -> list[dict]:
 
     precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if args.trainer == "megatron":
-        rows, log_ratios = _score_megatron(model_dir, trajectories, pad_id, eos_id, precisions, args.temperature)
+        rows, metric_rows, log_ratios = _score_megatron(
+            model_dir, trajectories, pad_id, eos_id, precisions, args.temperature
+        )
     else:
         from .hf import score_hf
 
-        rows, log_ratios = score_hf(model_dir, trajectories, pad_id, eos_id, precisions, args.temperature, progress)
+        rows, metric_rows, log_ratios = score_hf(
+            model_dir, trajectories, pad_id, eos_id, precisions, args.temperature, progress
+        )
     print(report.table(rows))
+    print()
+    print(report.metrics_table(metric_rows))
     meta = {
         "model": model_dir,
         "prompts": len(prompts),
@@ -163,7 +169,7 @@ def run(args: Any) -> list[dict]:
         "seconds": round(time.time() - start, 1),
     }
     if args.json:
-        report.write_json(args.json, rows, meta)
+        report.write_json(args.json, rows, meta, metric_rows)
         progress(f"wrote {args.json}")
     if args.plot:
         report.write_plot(args.plot, rows, log_ratios)
@@ -174,7 +180,8 @@ def run(args: Any) -> list[dict]:
 
 def _score_megatron(
     model_dir: str, trajectories: list, pad_id: int, eos_id: int, precisions: list[str], temperature: float
-) -> tuple[list[dict], dict]:
+) -> tuple[list[dict], list[dict], dict]:
+    """The table's rows, every metric per row (``report.measure``) and the log-ratios per row."""
     import torch
 
     from . import cpu, report
@@ -187,8 +194,7 @@ def _score_megatron(
     progress("loading Megatron-core (CPU shims for this process only)")
     cpu.apply()
     cpu.init_single_process()
-    rows, log_ratios = [], {}
-    rollout_lp = batch.rollout_logprobs[batch.response_mask]
+    rows, metric_rows, log_ratios = [], [], {}
     for precision in precisions:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
         progress(f"building the {precision} GPTModel from the checkpoint")
@@ -196,19 +202,17 @@ def _score_megatron(
         for setting in SETTINGS:
             t = time.time()
             scored = score(model, batch, setting, temperature=temperature)
-            row = {
-                "precision": precision,
-                "replay": setting,
-                **report.figures(scored.logprobs, rollout_lp, scored.route_match),
-            }
+            metrics = report.measure(scored)
+            row = {"precision": precision, "replay": setting, **report.figures(metrics)}
             rows.append(row)
-            log_ratios[(precision, setting)] = scored.logprobs.astype("float64") - rollout_lp
+            metric_rows.append({"precision": precision, "replay": setting, **metrics})
+            log_ratios[(precision, setting)] = scored.log_ratios()
             progress(
                 f"scored {precision} / {setting} in {time.time() - t:.1f} s: "
                 f"mean|d|={row['mean_abs_delta']:.2e} mean ratio={row['mean_ratio']:.4f}"
             )
         del model
-    return rows, log_ratios
+    return rows, metric_rows, log_ratios
 
 
 def main(args: Any) -> int:

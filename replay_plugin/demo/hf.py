@@ -11,7 +11,8 @@ trainer); four settings per precision, as the Megatron trainer's:
 ``both``     both
 
 Route agreement is measured from what the experts modules received
-(``replay_plugin.fsdp.record_routes``), not from what was installed.
+(``replay_plugin.fsdp.record_routes``), not from what was installed; the figures come from
+:func:`replay_plugin.demo.report.measure`, as the Megatron trainer's do.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def score_hf(
     precisions: list[str],
     temperature: float,
     progress: Callable[[str], None],
-) -> tuple[list[dict], dict]:
+) -> tuple[list[dict], list[dict], dict]:
+    """The table's rows, every metric per row (``report.measure``) and the log-ratios per row."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -43,9 +45,10 @@ def score_hf(
     batch = make_batch(trajectories, pad_id, eos_id)
     if batch.num_inexact:
         progress(f"note: {batch.num_inexact} support rows were inexact (repaired)")
-    if batch.routes is None:
+    if batch.routes is None or batch.router_padding_mask is None:
         raise RuntimeError("routed-expert replay needs routes from the rollout (enable_return_routed_experts)")
     rows: list[dict] = []
+    metric_rows: list[dict] = []
     log_ratios: dict = {}
     for precision in precisions:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
@@ -57,28 +60,35 @@ def score_hf(
             use_routes = setting in ("routes", "both")
             if use_routes not in forwards:
                 forwards[use_routes] = _forward(model, batch, use_routes)
-            logits, route_match = forwards[use_routes]
+            logits, used, layers = forwards[use_routes]
             logprobs, target = _logprobs(logits, batch, setting in ("support", "both"), temperature)
-            rollout = batch.rollout_logprobs[:, -target.shape[1] :][target]
-            row = {
-                "precision": precision,
-                "replay": setting,
-                **report.figures(logprobs, rollout, route_match[:, -target.shape[1] - 1 : -1][target]),
-            }
+            a = target.shape[1]  # column j scores token S - A + j with the output of the position before it
+            scored = report.Scored(
+                logprobs,
+                batch.rollout_logprobs[:, -a:],
+                target,
+                trainer_routes=used[:, -a - 1 : -1],
+                rollout_routes=batch.routes[:, -a - 1 : -1][:, :, layers],
+                route_mask=~batch.router_padding_mask[:, -a - 1 : -1],
+                route_layers=layers,
+            )
+            metrics = report.measure(scored)
+            row = {"precision": precision, "replay": setting, **report.figures(metrics)}
             rows.append(row)
-            log_ratios[(precision, setting)] = logprobs.astype("float64") - rollout
+            metric_rows.append({"precision": precision, "replay": setting, **metrics})
+            log_ratios[(precision, setting)] = scored.log_ratios()
             progress(
                 f"scored {precision} / {setting} in {time.time() - t0:.1f} s: "
                 f"mean|d|={row['mean_abs_delta']:.2e} mean ratio={row['mean_ratio']:.4f} "
                 f"routes agree={100 * row['route_agreement']:.1f}%"
             )
         del model, forwards
-    return rows, log_ratios
+    return rows, metric_rows, log_ratios
 
 
-def _forward(model: Any, batch: Any, use_routes: bool) -> tuple[Any, np.ndarray]:
-    """Logits ``[B, S, V]`` and ``[B, S]`` bool: the token at each position went to the rollout's
-    experts (as sets) in every MoE layer."""
+def _forward(model: Any, batch: Any, use_routes: bool) -> tuple[Any, np.ndarray, list[int]]:
+    """Logits ``[B, S, V]``, the experts each token went to in every MoE layer ``[B, S, L, K]``
+    (what the experts modules received) and those layers' indices."""
     import contextlib
 
     import torch
@@ -92,14 +102,11 @@ def _forward(model: Any, batch: Any, use_routes: bool) -> tuple[Any, np.ndarray]
     with torch.no_grad(), replay, record_routes(model) as recorded:
         logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, use_cache=False).logits
     layers = list(recorded.layers)
-    used = recorded.routes[:, :, layers].sort(-1).values
-    wanted = torch.from_numpy(batch.routes[:, :, layers].astype(np.int64)).sort(-1).values
-    match = (used == wanted).all(-1).all(-1) & ~torch.from_numpy(batch.router_padding_mask)
-    return logits, match.numpy()
+    return logits, recorded.routes[:, :, layers].numpy(), layers
 
 
 def _logprobs(logits: Any, batch: Any, use_support: bool, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per scored response token (row-major) its logprob, and the ``[B, A]`` scored mask."""
+    """The trainer's logprobs ``[B, A]`` (0 where nothing is scored) and the scored mask ``[B, A]``."""
     import torch
 
     from ..fsdp import response_logprobs
@@ -117,4 +124,4 @@ def _logprobs(logits: Any, batch: Any, use_support: bool, temperature: float) ->
         replay=use_support,
         temperature=temperature,
     )
-    return lp.numpy()[target].astype(np.float32), target
+    return lp.numpy().astype(np.float32), target

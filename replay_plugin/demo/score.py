@@ -10,7 +10,9 @@ left-justified). Four settings per precision:
 ``both``     both
 
 Route agreement is measured from what the routers actually did (a forward hook on every
-``TopKRouter`` reads its routing map), not from what was installed.
+``TopKRouter`` reads its routing map), not from what was installed; :func:`score` returns the
+logprobs and both sides' experts on the ``[B, S - 1]`` next-token grid for
+:func:`replay_plugin.demo.report.measure`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .report import Scored
 
 SETTINGS = ("none", "routes", "support", "both")
 
@@ -69,14 +73,6 @@ def make_batch(trajectories: list, pad_id: int, eos_id: int) -> Batch:
     return Batch(
         input_ids, attention, response, rollout_lp, routes, rpm, np.asarray(dense.ids), pad_id, int(dense.num_inexact)
     )
-
-
-@dataclass
-class Scored:
-    """Per response token, flattened over the batch in row-major order."""
-
-    logprobs: np.ndarray  # float32 [N]
-    route_match: np.ndarray | None  # bool [N]: experts equal the rollout's in every layer
 
 
 class _RoutingSpy:
@@ -140,31 +136,29 @@ def score(model: Any, batch: Batch, setting: str, *, temperature: float = 1.0) -
         )
     else:  # the trainer's ordinary logprob (Megatron's vocab_parallel_cross_entropy)
         per_pos = replay_response_logprobs(logits, input_ids, layout, temperature=temperature)
-    target = batch.response_mask[:, 1:]  # position s scores token s + 1
-    logprobs = per_pos.numpy()[target].astype(np.float32)
+    # position s scores token s + 1
+    scored = Scored(per_pos.numpy(), batch.rollout_logprobs[:, 1:], batch.response_mask[:, 1:])
+    if batch.routes is not None and batch.router_padding_mask is not None and spy.maps:
+        layers = sorted(spy.maps)
+        scored.trainer_routes = _trainer_routes(spy.maps, layers, batch.routes.shape[-1], layout, ids.shape)
+        scored.rollout_routes = batch.routes[:, :-1][:, :, [n - 1 for n in layers]]
+        scored.route_mask = ~batch.router_padding_mask[:, :-1]
+        scored.route_layers = [n - 1 for n in layers]
+    return scored
 
-    route_match = None
-    if batch.routes is not None and spy.maps:
-        route_match = _route_agreement(spy.maps, batch, layout, ids.shape)[target]
-    return Scored(logprobs, route_match)
 
-
-def _route_agreement(maps: dict, batch: Batch, layout: Any, aligned_shape: tuple) -> np.ndarray:
-    """``[B, S-1]`` bool: the token at position s (which predicts token s+1) went to the
-    rollout's experts in every layer."""
+def _trainer_routes(maps: dict, layers: list[int], k: int, layout: Any, aligned_shape: tuple) -> np.ndarray:
+    """``[B, S-1, L, K]`` int64: the experts the routers sent the token at position s to (the
+    token whose output scores token s+1), one row per layer of ``layers``; all ``-1`` where a
+    router's map does not hold exactly ``k`` experts, and at positions without a token."""
     import torch
 
     B, A = aligned_shape
-    if batch.routes is None:
-        raise ValueError("route agreement needs the rollout's routed experts (batch.routes is None)")
-    routes = torch.from_numpy(batch.routes.astype(np.int64))
-    k = routes.shape[-1]
-    match = torch.ones(B, A, dtype=torch.bool)
-    for layer_number, routing_map in sorted(maps.items()):
-        experts = routing_map.shape[-1]
-        used = routing_map.view(A, B, experts).transpose(0, 1)  # tokens are sequence-major
-        recorded = layout.align(routes[:, :, layer_number - 1], 0)  # [B, A, K]
-        want = torch.zeros(B, A, experts, dtype=torch.bool).scatter_(-1, recorded, True)
-        match &= (used == want).all(-1) & (used.sum(-1) == k)
-    per_pos = layout.restore(match.float(), 0.0).numpy() > 0.5  # slot j -> the position of token j
-    return per_pos
+    per_layer = []
+    for layer_number in layers:
+        routing_map = maps[layer_number]
+        used = routing_map.view(A, B, routing_map.shape[-1]).transpose(0, 1)  # tokens are sequence-major
+        ids = used.to(torch.float32).topk(k, dim=-1).indices  # the k chosen experts, any order
+        per_layer.append(torch.where((used.sum(-1) == k).unsqueeze(-1), ids, -1))
+    routes = torch.stack(per_layer, dim=2)  # [B, A, L, K]
+    return layout.restore(routes, -1).numpy()  # slot j -> the position of token j
