@@ -306,9 +306,7 @@ def _required(line: str) -> str | None:
     return _norm(m.group(1)) if m else None
 
 
-def build_overlay(
-    base: str, path: str, pins: list[str], remove: Sequence[str] = (), unmet: Sequence[str] = ()
-) -> None:
+def build_overlay(base: str, path: str, pins: list[str], remove: Sequence[str] = (), unmet: Sequence[str] = ()) -> None:
     """The overlay venv at ``path``: ``base`` cloned, the distributions in ``remove`` uninstalled,
     ``pins`` installed over it (--no-deps). SystemExit when the overlay breaks a requirement
     ``pip check`` found met in ``base``, except requirements on a distribution in ``unmet``
