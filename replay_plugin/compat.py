@@ -55,6 +55,7 @@ import importlib.metadata
 import inspect
 import os
 import pkgutil
+import sys
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -245,10 +246,18 @@ def static_fingerprint(root: str, name: str, absent_ok: bool = False) -> str:
 
 
 def _module_file(root: str, module: str) -> str:
-    base = os.path.join(root, *module.split("."))
-    for path in (base + ".py", os.path.join(base, "__init__.py")):
-        if os.path.isfile(path):
-            return path
+    """The source file of ``module`` under ``root``; a standard-library module's (a base class such
+    as ``abc.ABC``, read to show that it does not define a name) from this interpreter's library."""
+    roots = [root]
+    if module.partition(".")[0] in sys.stdlib_module_names:
+        import sysconfig  # only sync.py and `matrix` read sources statically
+
+        roots.append(sysconfig.get_path("stdlib"))
+    for where in roots:
+        base = os.path.join(where, *module.split("."))
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(path):
+                return path
     raise StaticSourceError(f"no source file for module {module} under {root}")
 
 

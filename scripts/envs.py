@@ -27,9 +27,12 @@ are the base venv cloned with hard links (nothing is copied: a file costs a dire
 the ``remove`` distributions uninstalled and the overlay's exact pins installed with --no-deps,
 cached under NAME-<hash of the base's key and the pins> beside the others. pip never writes into
 an existing file (it unlinks first), so the base is never changed. The build fails when the
-overlay breaks a requirement that held in the base (``pip check`` of both, compared). One venv
-per upstream version would cost gigabytes and minutes each; an overlay of a pure-Python upstream
-costs seconds and megabytes.
+overlay breaks a requirement that held in the base (``pip check`` of both, compared), unless
+the entry's ``unmet`` names the required distribution: a requirement no release on PyPI meets
+(transformers 5.25.0 requires kernels>=0.19.1, which was never published), accepted by name and
+logged; a name in ``unmet`` that nothing lacks fails the build (remove it). One venv per upstream
+version would cost gigabytes and minutes each; an overlay of a pure-Python upstream costs seconds
+and megabytes.
 """
 
 from __future__ import annotations
@@ -144,6 +147,18 @@ def overlay_of(name: str, cfg: dict | None = None) -> tuple[str, list[str], list
     return base, pins, remove
 
 
+def unmet_of(name: str, cfg: dict | None = None) -> list[str]:
+    """The distributions whose requirements the overlay ``name`` may leave unmet (``unmet`` in
+    envs.toml; empty when absent). SystemExit when it is not a list of names or not an overlay's."""
+    cfg = cfg or config()
+    unmet = cfg[name].get("unmet", [])
+    if not isinstance(unmet, list) or not all(isinstance(u, str) and u for u in unmet):
+        raise SystemExit(f"env {name}: unmet must be a list of distribution names, got {unmet!r}")
+    if unmet and overlay_of(name, cfg) is None:
+        raise SystemExit(f"env {name}: unmet applies to overlay environments only")
+    return unmet
+
+
 def python_of(name: str) -> str:
     """The Python version of ``name`` (an overlay's is its base's)."""
     cfg = config()
@@ -207,7 +222,7 @@ def ensure(name: str) -> str:
             base, pins, remove = overlay
             base_path = ensure(base)
             log(f"building {name} in {path}: {base} + {' '.join(pins)}" + "".join(f" - {r}" for r in remove))
-            build_overlay(base_path, path, pins, remove)
+            build_overlay(base_path, path, pins, remove, unmet_of(name))
         else:
             log(f"building {name} in {path} (Python {python_of(name)}, {lock_path(name)})")
             subprocess.run([python_for(python_of(name)), "-m", "venv", path], check=True)
@@ -283,10 +298,19 @@ def _norm(dist: str) -> str:
     return re.sub(r"[-_.]+", "-", dist).lower()
 
 
-def build_overlay(base: str, path: str, pins: list[str], remove: Sequence[str] = ()) -> None:
+def _required(line: str) -> str | None:
+    """The distribution a ``pip check`` line says is missing or at the wrong version."""
+    m = re.search(r" requires (\S+), which is not installed\.$", line) or re.search(
+        r" has requirement ([A-Za-z0-9][A-Za-z0-9_.\-]*)", line
+    )
+    return _norm(m.group(1)) if m else None
+
+
+def build_overlay(base: str, path: str, pins: list[str], remove: Sequence[str] = (), unmet: Sequence[str] = ()) -> None:
     """The overlay venv at ``path``: ``base`` cloned, the distributions in ``remove`` uninstalled,
     ``pins`` installed over it (--no-deps). SystemExit when the overlay breaks a requirement
-    ``pip check`` found met in ``base``."""
+    ``pip check`` found met in ``base``, except requirements on a distribution in ``unmet``
+    (logged), and when a distribution in ``unmet`` is not lacking."""
     clone_venv(base, path)
     if remove:
         pip(path, "uninstall", "-q", "-y", *remove)
@@ -294,6 +318,17 @@ def build_overlay(base: str, path: str, pins: list[str], remove: Sequence[str] =
     names = {_norm(p.partition("==")[0]) for p in pins} | {_norm(r) for r in remove}
     after, before = _pip_check(path, names), _pip_check(base, names)
     broken = sorted(line for key, line in after.items() if key not in before)
+    accepted = [line for line in broken if _required(line) in {_norm(u) for u in unmet}]
+    for line in accepted:
+        log(f"accepted (unmet in envs.toml): {line}")
+    stale = sorted({_norm(u) for u in unmet} - {_required(line) for line in accepted})
+    broken = [line for line in broken if line not in accepted]
+    if stale and not broken:
+        shutil.rmtree(path, ignore_errors=True)
+        raise SystemExit(
+            f"overlay {' '.join(pins)}: unmet lists {', '.join(stale)}, but no requirement on it is unmet: "
+            "remove it from unmet in envs/envs.toml"
+        )
     if broken:
         shutil.rmtree(path, ignore_errors=True)
         raise SystemExit(

