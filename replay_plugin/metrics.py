@@ -19,7 +19,16 @@ from replay_plugin.core.metrics import (
     ROUTE_KEY,
     ROUTE_LAYER_KEY,
     SAFETY_BOUND,
+    LogprobsWithMetrics,
     mismatch_metrics,
 )
 
-__all__ = ["DEFAULT_IS_THRESHOLD", "LOGPROB_KEYS", "ROUTE_KEY", "ROUTE_LAYER_KEY", "SAFETY_BOUND", "mismatch_metrics"]
+__all__ = [
+    "DEFAULT_IS_THRESHOLD",
+    "LOGPROB_KEYS",
+    "LogprobsWithMetrics",
+    "ROUTE_KEY",
+    "ROUTE_LAYER_KEY",
+    "SAFETY_BOUND",
+    "mismatch_metrics",
+]

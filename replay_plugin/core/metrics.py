@@ -85,7 +85,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -122,6 +122,15 @@ LOGPROB_KEYS = (
 #: With routes: the all-layer key, then one key per layer (``ROUTE_LAYER_KEY.format(label)``).
 ROUTE_KEY = "rollout_corr/route_agreement"
 ROUTE_LAYER_KEY = "rollout_corr/route_agreement_layer_{}"
+
+
+class LogprobsWithMetrics(NamedTuple):
+    """What a trainer entry (:func:`replay_plugin.megatron.replay_response_logprobs`,
+    :func:`replay_plugin.fsdp.response_logprobs`) returns when given the rollout's logprobs:
+    its logprobs, and :func:`mismatch_metrics` of them against the rollout's over the loss mask."""
+
+    logprobs: torch.Tensor
+    metrics: dict[str, torch.Tensor]
 
 
 def mismatch_metrics(

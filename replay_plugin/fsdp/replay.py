@@ -11,7 +11,7 @@ every check that can reject data runs where all SP ranks reject together.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from replay_plugin.core.logprobs import (
     _support_logprobs_from_hidden,
     full_vocab_logprobs_fixed_capacity,
 )
+from replay_plugin.core.metrics import LogprobsWithMetrics, mismatch_metrics
 
 __all__ = ["response_logprobs"]
 
@@ -31,12 +32,15 @@ __all__ = ["response_logprobs"]
 PLAIN_CHUNK_ROWS = 1024
 
 
+@overload
 def response_logprobs(
     source: torch.Tensor,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     num_actions: int,
     *,
+    rollout_logprobs: None = None,
+    metrics_prefix: str = "",
     support_ids: Any | None = None,
     loss_mask: Any | None = None,
     replay: bool = True,
@@ -47,7 +51,50 @@ def response_logprobs(
     grad_scaler: bool = True,
     width: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> torch.Tensor:
+) -> torch.Tensor: ...
+
+
+@overload
+def response_logprobs(
+    source: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_actions: int,
+    *,
+    rollout_logprobs: Any,
+    metrics_prefix: str = "",
+    support_ids: Any | None = None,
+    loss_mask: Any | None = None,
+    replay: bool = True,
+    lm_head_weight: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    indices: torch.Tensor | None = None,
+    sp_group: torch.distributed.ProcessGroup | None = None,
+    grad_scaler: bool = True,
+    width: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LogprobsWithMetrics: ...
+
+
+def response_logprobs(
+    source: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_actions: int,
+    *,
+    rollout_logprobs: Any | None = None,
+    metrics_prefix: str = "",
+    support_ids: Any | None = None,
+    loss_mask: Any | None = None,
+    replay: bool = True,
+    lm_head_weight: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    indices: torch.Tensor | None = None,
+    sp_group: torch.distributed.ProcessGroup | None = None,
+    grad_scaler: bool = True,
+    width: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor | LogprobsWithMetrics:
     """Response logprobs ``[B, num_actions]`` of one microbatch, replayed over the recorded support.
 
     Args:
@@ -80,9 +127,18 @@ def response_logprobs(
             the mean over data-parallel groups.
         width: when given, the support width ``W`` the caller expects (e.g. its ``top_k``).
         chunk_size: (token, candidate) pairs per chunk of the hidden-state path.
+        rollout_logprobs: ``[B, A]`` float, the engine's logprob of each response token (aligned
+            like ``loss_mask``): also return the step's train-inference mismatch metrics
+            (:func:`replay_plugin.metrics.mismatch_metrics`, verl's key names) of the result
+            against them over ``loss_mask`` (required then, replay on or off), less the
+            synthetic EOS rows with replay on (the engine never sampled them). Values outside
+            those tokens are never read.
+        metrics_prefix: prepended to every metric key (e.g. ``"actor/"``).
 
     Returns:
-        float32 ``[B, A]``; column ``j`` scores token ``S - A + j`` with the output of the
+        With ``rollout_logprobs``: ``LogprobsWithMetrics(logprobs, metrics)``, the logprobs below
+        and a dict of 0-d tensors (no host synchronisation; the same on every SP rank).
+        Otherwise float32 ``[B, A]``; column ``j`` scores token ``S - A + j`` with the output of the
         position that predicts it. With ``replay``: renormalised over the support where the
         target has a support row, the full-vocabulary logprob for a loss-bearing target without
         one (at most one per trajectory: the synthetic EOS), 0 elsewhere (e.g. padding).
@@ -144,7 +200,25 @@ def response_logprobs(
     else:
         values = _plain_logprobs(src, local_target, input_ids, lm_head_weight, temperature)
         gathered = _gather(values, sp_group, sp_size, grad_scaler)
-    return _restore(gathered[:, :n], indices, batch, seq, num_actions)
+    result = _restore(gathered[:, :n], indices, batch, seq, num_actions)
+    if rollout_logprobs is None:
+        return result
+    if loss_mask is None:
+        raise ReplayDataError(
+            "loss_mask",
+            "rollout_logprobs were given without a loss mask: the metrics need the response tokens",
+            expected=f"[{batch}, {num_actions}] response loss mask",
+        )
+    rollout = _as_tensor(rollout_logprobs, "rollout_logprobs", device)
+    scored = _bool_tensor(loss_mask, "loss_mask", device)
+    for field, t in (("rollout_logprobs", rollout), ("loss_mask", scored)):
+        if tuple(t.shape) != (batch, num_actions):
+            raise ReplayDataError(
+                field, f"shape {tuple(t.shape)}", expected=f"[{batch}, {num_actions}] like the result"
+            )
+    if replay:  # a synthetic EOS (no support) was never sampled: no rollout logprob
+        scored = scored & (support[:, seq - num_actions :] != -1).any(-1)
+    return LogprobsWithMetrics(result, mismatch_metrics(result, rollout, scored, prefix=metrics_prefix))
 
 
 # --------------------------------------------------------------------------- inputs

@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, overload
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from replay_plugin.core import logprobs as core
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 from replay_plugin.core.layout import TokenMetadataLayout
+from replay_plugin.core.metrics import LogprobsWithMetrics, mismatch_metrics
 from replay_plugin.megatron.groups import Groups, groups_of
 
 __all__ = ["cp_loss_scale", "replay_response_logprobs", "support_logprobs"]
@@ -105,11 +106,14 @@ def support_logprobs(
 # batch level
 
 
+@overload
 def replay_response_logprobs(
     output: torch.Tensor,
     input_ids: TensorLike,
     layout: TokenMetadataLayout,
     *,
+    rollout_logprobs: None = None,
+    metrics_prefix: str = "",
     support_ids: TensorLike | None = None,
     loss_mask: TensorLike | None = None,
     output_weight: torch.Tensor | None = None,
@@ -120,7 +124,48 @@ def replay_response_logprobs(
     chunk_size: int = core.DEFAULT_CHUNK_SIZE,
     model: Any = None,
     pg_collection: Any = None,
-) -> torch.Tensor:
+) -> torch.Tensor: ...
+
+
+@overload
+def replay_response_logprobs(
+    output: torch.Tensor,
+    input_ids: TensorLike,
+    layout: TokenMetadataLayout,
+    *,
+    rollout_logprobs: TensorLike,
+    metrics_prefix: str = "",
+    support_ids: TensorLike | None = None,
+    loss_mask: TensorLike | None = None,
+    output_weight: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    num_actions: int | None = None,
+    width: int | None = None,
+    sub_sequence_lengths: Sequence[Sequence[int]] | None = None,
+    chunk_size: int = core.DEFAULT_CHUNK_SIZE,
+    model: Any = None,
+    pg_collection: Any = None,
+) -> LogprobsWithMetrics: ...
+
+
+def replay_response_logprobs(
+    output: torch.Tensor,
+    input_ids: TensorLike,
+    layout: TokenMetadataLayout,
+    *,
+    rollout_logprobs: TensorLike | None = None,
+    metrics_prefix: str = "",
+    support_ids: TensorLike | None = None,
+    loss_mask: TensorLike | None = None,
+    output_weight: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    num_actions: int | None = None,
+    width: int | None = None,
+    sub_sequence_lengths: Sequence[Sequence[int]] | None = None,
+    chunk_size: int = core.DEFAULT_CHUNK_SIZE,
+    model: Any = None,
+    pg_collection: Any = None,
+) -> torch.Tensor | LogprobsWithMetrics:
     """Per-token logprobs of one microbatch, support-renormalised where support was recorded.
 
     Call it in the trainer's loss / logprob function on the model output of the microbatch.
@@ -165,12 +210,23 @@ def replay_response_logprobs(
             packed into it, if the trainer's controller packs; every row must hold one
             trajectory.
         chunk_size: (token, candidate) pairs per chunk of the fused projection.
+        rollout_logprobs: the engine's logprob of each token, float ``[B, S]`` in the grid
+            (``rollout_logprobs[b, s]`` for token ``input_ids[b, s]``) or ``[B, n]`` for the
+            last ``n`` columns, like ``loss_mask``: also return the step's train-inference
+            mismatch metrics (:func:`replay_plugin.metrics.mismatch_metrics`, verl's key names)
+            of the result against them over ``loss_mask`` (required then, replay on or off),
+            less the synthetic EOS rows with replay on (the engine never sampled them). Values
+            outside those tokens are never read.
+        metrics_prefix: prepended to every metric key (e.g. ``"actor/"``).
         model, pg_collection: where the tensor- and context-parallel groups come from:
             ``pg_collection``, else the model chunk's (``GPTModel(..., pg_collection=)``), else
             Megatron's ``parallel_state``; pass the model built with a custom
             ``pg_collection`` (the route driver takes its groups from the same place).
 
     Returns:
+        With ``rollout_logprobs``: ``LogprobsWithMetrics(logprobs, metrics)``, the logprobs below
+        and a dict of 0-d tensors (no host synchronisation; the same on every tensor- and
+        context-parallel rank). Otherwise the logprobs:
         float32 ``[B, S - 1]`` (or ``[B, num_actions]``), on the layout's device; position ``s``
         holds the logprob of the token that follows the token at ``s`` in its row (token
         ``s + 1`` in a left-padded grid), 0 at padding and at each row's last token. Replay on:
@@ -255,7 +311,25 @@ def replay_response_logprobs(
     if cp_size > 1:
         values = layout.unshard(list(_GatherShards.apply(values, g.cp, cp_rank, cp_size).unbind(0)))
     out = layout.restore(values, 0.0)  # [B, S - 1]
-    return out if num_actions is None else out[:, seq - 1 - num_actions :]
+    result = out if num_actions is None else out[:, seq - 1 - num_actions :]
+    if rollout_logprobs is None:
+        return result
+    # The metrics compare each scored column with the rollout's logprob of the same token: the
+    # result's column s scores token s + 1 of the grid.
+    if loss_mask is None:
+        raise ReplayDataError(
+            "loss_mask",
+            "rollout_logprobs were given without a loss mask: the metrics need the response tokens",
+            expected="the response loss mask, [B, S] (DenseSupport.loss_mask) or [B, num_actions]",
+        )
+    rollout = _rollout_grid(rollout_logprobs, (batch, seq), device)[:, 1:]
+    scored = _loss_grid(loss_mask, (batch, seq), device)
+    if support_ids is not None:  # a synthetic EOS (no support) was never sampled: no rollout logprob
+        scored = scored & (_as_tensor(support_ids, "support_ids", device) != -1).any(-1)
+    scored = scored[:, 1:]
+    if num_actions is not None:
+        rollout, scored = rollout[:, -num_actions:], scored[:, -num_actions:]
+    return LogprobsWithMetrics(result, mismatch_metrics(result, rollout, scored, prefix=metrics_prefix))
 
 
 def cp_loss_scale(model: Any = None, pg_collection: Any = None) -> int:
@@ -459,6 +533,26 @@ def _grid(
         dims = ", ".join(map(str, shape)) + (", W" if trailing else "")
         raise ReplayDataError(field, f"shape {tuple(t.shape)}", expected=f"[{dims}] like the layout's attention_mask")
     return t
+
+
+def _rollout_grid(rollout_logprobs: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """The rollout's logprobs as float ``[B, S]`` in the grid (a ``[B, n]`` array fills the last
+    n columns; the others hold NaN, never read: the loss mask is False there)."""
+    r = _as_tensor(rollout_logprobs, "rollout_logprobs", device)
+    if not r.is_floating_point():
+        raise ReplayTypeError("rollout_logprobs", f"dtype {r.dtype}", expected="a floating-point tensor")
+    batch, seq = shape
+    if r.dim() != 2 or r.shape[0] != batch or not 0 < r.shape[1] <= seq:
+        raise ReplayDataError(
+            "rollout_logprobs",
+            f"shape {tuple(r.shape)}",
+            expected=f"[{batch}, {seq}] or [{batch}, n <= {seq}] like loss_mask",
+        )
+    if r.shape[1] == seq:
+        return r
+    full = torch.full(shape, math.nan, dtype=r.dtype, device=device)
+    full[:, seq - r.shape[1] :] = r
+    return full
 
 
 def _loss_grid(loss_mask: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:

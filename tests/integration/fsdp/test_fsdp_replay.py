@@ -524,6 +524,43 @@ def test_replay_off_is_the_plain_path_and_needs_no_support(toy):
     assert torch.allclose(plain.double(), want, atol=1e-6)
 
 
+def test_mismatch_metrics_beside_the_logprobs(toy):
+    """Given the rollout's logprobs, the call also returns the step's mismatch metrics over the
+    loss-bearing tokens the engine sampled (the synthetic EOS rows have no rollout logprob),
+    equal to a float64 computation written here; replay off compares the plain logprobs."""
+    import numpy as np
+    import torch
+
+    batch, logits = toy
+    ref = explicit_reference(logits.detach().double(), batch, TEMPERATURE).numpy()
+    sampled = (batch["loss_mask"] != 0) & (batch["support"][:, -A:] != -1).any(-1)
+    rollout = torch.from_numpy(ref + np.random.default_rng(3).normal(0, 0.05, ref.shape))
+    rollout[~sampled] = float("nan")  # never read
+    out = _call(batch, logits, rollout_logprobs=rollout, metrics_prefix="actor/")
+    assert type(out).__name__ == "LogprobsWithMetrics"
+    assert torch.equal(out.logprobs, _call(batch, logits))
+    m = sampled.numpy()
+    r = (out.logprobs.detach().double().numpy() - rollout.numpy())[m]
+    c = np.minimum(np.exp(r), 2.0)
+    want = {
+        "actor/rollout_corr/kl": np.mean(-r),
+        "actor/rollout_corr/k3_kl": np.mean(np.expm1(r) - r),
+        "actor/rollout_corr/chi2_token": np.mean(np.exp(2 * r)) - 1,
+        "actor/rollout_corr/rollout_is_eff_sample_size": c.sum() ** 2 / (len(c) * (c**2).sum()),
+        "actor/rollout_corr/rollout_is_ratio_fraction_high": np.mean(np.exp(r) > 2.0),
+    }
+    for key, value in want.items():
+        assert float(out.metrics[key]) == pytest.approx(float(value), rel=1e-4, abs=1e-7), key
+    assert 5e-4 < float(out.metrics["actor/rollout_corr/k3_kl"]) < 5e-3  # ~ sigma**2 / 2 of the noise, not NaN
+
+    plain = _call(batch, logits, replay=False, support_ids=None, rollout_logprobs=rollout, loss_mask=sampled)
+    z = torch.log_softmax(logits.detach() / TEMPERATURE, dim=-1)
+    t = z[:, :-1].gather(2, batch["input_ids"][:, 1:, None]).squeeze(2)[:, -A:].numpy()
+    assert float(plain.metrics["rollout_corr/kl"]) == pytest.approx(float(np.mean((rollout.numpy() - t)[m])), rel=1e-4)
+    with pytest.raises(ValueError, match="'loss_mask'.*rollout_logprobs were given without a loss mask"):
+        _call(batch, logits, replay=False, support_ids=None, loss_mask=None, rollout_logprobs=rollout)
+
+
 def test_hidden_state_path_values_and_gradients():
     import torch
 

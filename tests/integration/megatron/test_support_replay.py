@@ -844,6 +844,78 @@ def test_one_source_of_process_groups():
 # refusals (single rank)
 
 
+def scenario_metrics() -> dict:
+    """A top-k rollout from a real GPTModel (TP=1), scored with and without replay, each call
+    also given the rollout's logprobs: the metrics it returns, and their float64 reference."""
+    import numpy as np
+    import torch
+
+    from replay_plugin.core.layout import TokenMetadataLayout
+    from replay_plugin.megatron import replay_response_logprobs
+
+    model = harness.build_model(harness.dense_config(), vocab_size=V)
+    prompt_ids, attention, loss = _batch()
+    layout = TokenMetadataLayout.build(attention, packed=False, align=1)
+    ids, support, rollout = _rollout(model, prompt_ids, attention, layout)
+    with torch.no_grad():
+        logits = harness.forward(model, ids, layout)
+    sampled = loss & (support != -1).any(-1)  # the synthetic EOS row has no rollout logprob
+    common = dict(temperature=TEMPERATURE, rollout_logprobs=rollout)
+    replayed = replay_response_logprobs(logits, ids, layout, support_ids=support, loss_mask=loss, **common)
+    # replay off: the caller's mask says which tokens have a rollout logprob
+    stock = replay_response_logprobs(logits, ids, layout, loss_mask=sampled, **common)
+    n = S - 5  # the response columns only, as a trainer's [B, num_actions]
+    tail = replay_response_logprobs(
+        logits, ids, layout, support_ids=support, num_actions=n, metrics_prefix="actor/",
+        loss_mask=loss[:, -n:], temperature=TEMPERATURE, rollout_logprobs=rollout[:, -n:],
+    )  # fmt: skip
+
+    def reference(t, scored):
+        t, q, m = t.double().numpy(), rollout[:, 1:].numpy(), scored[:, 1:].numpy()
+        r = (t - q)[m]
+        w = np.exp(np.clip(r, -20, 20))
+        c = np.minimum(w, 2.0)
+        pt, pq = np.exp(t[m]), np.exp(q[m])
+        rows = [b for b in range(B) if m[b].any()]
+        return {
+            "rollout_corr/kl": float(np.mean(-r)),
+            "rollout_corr/k3_kl": float(np.mean(np.expm1(r) - r)),
+            "rollout_corr/chi2_token": float(np.mean(w**2) - 1),
+            "rollout_corr/rollout_is_mean": float(np.mean(c)),
+            "rollout_corr/rollout_is_eff_sample_size": float(c.sum() ** 2 / (len(c) * (c**2).sum())),
+            "rollout_corr/log_ppl_abs_diff": float(np.mean([abs(q[b][m[b]].mean() - t[b][m[b]].mean()) for b in rows])),
+            "training/rollout_probs_diff_mean": float(np.mean(np.abs(pt - pq))),
+            "training/rollout_probs_diff_max": float(np.max(np.abs(pt - pq))),
+            "training/rollout_actor_probs_pearson_corr": float(np.corrcoef(pt, pq)[0, 1]),
+        }
+
+    return {
+        "types": [type(x).__name__ for x in (replayed, stock, tail)],
+        "replayed": {k: float(v) for k, v in replayed.metrics.items()},
+        "stock": {k: float(v) for k, v in stock.metrics.items()},
+        "tail": {k: float(v) for k, v in tail.metrics.items()},
+        "tail_equals_full": bool(torch.equal(tail.logprobs, replayed.logprobs[:, -n:])),
+        "reference_replayed": reference(replayed.logprobs, sampled),
+        "reference_stock": reference(stock.logprobs, sampled),
+    }
+
+
+def test_mismatch_metrics_beside_the_logprobs():
+    need("megatron-core")
+    r = harness.shared_worker().run(scenario_metrics)
+    assert r["types"] == ["LogprobsWithMetrics"] * 3
+    for side in ("replayed", "stock"):
+        for key, want in r[f"reference_{side}"].items():
+            assert r[side][key] == pytest.approx(want, rel=1e-4, abs=1e-6), (side, key)
+    # Megatron's full-vocabulary logprob misses the rollout's truncated distribution by nats;
+    # replayed over the recorded support it is the rollout's logprob (float32 against float64)
+    assert r["stock"]["rollout_corr/kl"] > 0.1 and r["stock"]["rollout_corr/rollout_is_mean"] < 0.9
+    assert abs(r["replayed"]["rollout_corr/kl"]) < 1e-5
+    assert r["replayed"]["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1.0, abs=1e-6)
+    assert r["tail_equals_full"]
+    assert r["tail"] == pytest.approx({"actor/" + k: v for k, v in r["replayed"].items()}, rel=1e-5, abs=1e-7)
+
+
 def scenario_refusals() -> dict:
     import numpy as np
     import torch
