@@ -1,6 +1,7 @@
 """Hugging Face MoE families: where each one routes and how it weights the chosen experts.
 
-Read from transformers 5.10.4, 5.16.1, 5.19.0 and 5.24.0 (``models/<family>/modeling_<family>.py``).
+Read from transformers 5.10.4, 5.16.1, 5.19.0, 5.24.0 and 5.25.0 (``models/<family>/modeling_<family>.py``;
+5.25.0 is identical to 5.24.0 in every routing target).
 What is stable across those versions, and what routed-expert replay relies on:
 
 * every family has one MoE block class per decoder layer (:attr:`Family.block`); its forward calls

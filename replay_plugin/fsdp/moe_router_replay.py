@@ -1,6 +1,6 @@
 """Patches ``transformers.moe_router_replay.<family>``: routed-expert replay in Hugging Face MoE blocks.
 
-The upstream gap. transformers (5.10-5.24) has no way to make an MoE layer use given experts: each
+The upstream gap. transformers (5.10-5.25) has no way to make an MoE layer use given experts: each
 family's router picks its own top-k (softmax or sigmoid, correction bias, group limits) inside the
 block's forward and hands the ids straight to the experts module. An FSDP trainer scoring vLLM's
 rollout therefore routes tokens to other experts than the engine did (bfloat16 rounding, other

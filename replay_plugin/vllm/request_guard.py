@@ -10,8 +10,9 @@ small and has a wide version range (no upper bound) so that it stays when the ca
 are skipped: it checks the request's replay keys (bad values and internal keys are refused
 naming the key) and refuses a request that wants replay data while a patch it needs is not
 applied in this process (the capture patch; the compact-routes patch when routes are asked for
-explicitly; the serving patches when the OpenAI server is loaded). Remove with the last capture
-patch.
+explicitly; the serving patches when the OpenAI server is loaded), and a request that asks for
+routes explicitly from an engine started without ``enable_return_routed_experts`` (vLLM returns
+``routed_experts=None`` then, silently). Remove with the last capture patch.
 """
 
 from __future__ import annotations
@@ -85,9 +86,11 @@ def _displaced(name: str) -> list[str]:
     return patcher.displaced() if patcher is not None else []
 
 
-def check_request(params: Any) -> None:
+def check_request(params: Any, vllm_config: Any = None) -> None:
     """Refuse (``SampleSupportRefused``, before compute) a request whose replay keys are invalid
-    or set an internal key, or that wants replay data a missing patch cannot provide."""
+    or set an internal key, that wants replay data a missing patch cannot provide, or that asks
+    for routed experts explicitly (its ``replay_routed_experts`` key or the job's
+    ``ROUTED_EXPERTS_REQUESTS=all``) from an engine that does not return them."""
     extra = getattr(params, "extra_args", None)
     try:
         options.check_request_keys(extra)
@@ -107,13 +110,34 @@ def check_request(params: Any) -> None:
             f"{options.REQUESTS_ENV}) but this vLLM process cannot capture it: " + "; ".join(problems),
             key,
         )
+    if routes and not _engine_returns_routes(vllm_config):
+        # vLLM (0.30-0.34) serves such a request with routed_experts None, silently.
+        raise refusal(
+            f"replay_plugin: the request asks for routed experts ({options.ROUTES_KEY!r} or the job's "
+            f"{options.ROUTES_REQUESTS_ENV}=all) but this engine does not return them "
+            "(enable_return_routed_experts is off); fix: start it with "
+            "enable_return_routed_experts=True (vllm serve --enable-return-routed-experts; on CPU only vLLM 0.30 "
+            "returns routes, 0.31+ needs Model Runner V2, a GPU), or drop the routes request",
+            options.ROUTES_KEY,
+        )
+
+
+def _engine_returns_routes(vllm_config: Any) -> bool:
+    """Whether the engine returns routed experts: ``enable_return_routed_experts`` of its
+    ``aux_output_config`` (vLLM 0.31+) or ``model_config`` (0.30). True when neither holds the
+    flag (a vLLM that moved it again: the request is served as vLLM serves it)."""
+    for holder in ("aux_output_config", "model_config"):
+        flag = getattr(getattr(vllm_config, holder, None), "enable_return_routed_experts", None)
+        if flag is not None:
+            return bool(flag)
+    return True
 
 
 def _guard(wrapped, instance, args, kwargs):
     """``InputProcessor.process_inputs``: check the caller's params before anything runs."""
     params = kwargs["params"] if "params" in kwargs else (args[2] if len(args) > 2 else None)
     if params is not None and hasattr(params, "extra_args"):
-        check_request(params)
+        check_request(params, getattr(instance, "vllm_config", None))
     return wrapped(*args, **kwargs)
 
 

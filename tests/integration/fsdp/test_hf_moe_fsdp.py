@@ -292,7 +292,7 @@ def test_fsdp2_route_replay_skyrl_ulysses():
 
 
 def test_fsdp2_route_replay_ulysses_without_a_framework():
-    """The same where neither verl nor skyrl is installed (the transformers 5.24 environment: skyrl
+    """The same where neither verl nor skyrl is installed (the transformers 5.25 environment: skyrl
     0.4.0 pins transformers<=5.16.1, verl 0.9.1 <5.11), with the test's own pad-and-slice; where
     one of them is, its variant above runs this path."""
     need("transformers")

@@ -391,6 +391,38 @@ def test_refused_before_compute_naming_the_setting(llm):
     assert engine.model_config.max_logprobs == MAX_LOGPROBS
 
 
+def test_routes_asked_from_an_engine_that_does_not_return_them_are_refused(llm):
+    """vLLM serves a request that asks for routed experts from an engine started without
+    ``enable_return_routed_experts`` with ``routed_experts=None``, silently: refused before
+    compute, naming the setting. (The front end's configuration decides; on vLLM 0.30 the test
+    engine returns routes, so the front end's flag is switched off for the check.)"""
+    from vllm import SamplingParams
+
+    from replay_plugin.vllm import support_of
+    from replay_plugin.vllm.sample_support import SampleSupportRefused
+
+    params = SamplingParams(top_k=5, max_tokens=3, extra_args={"replay_routed_experts": True})
+    config = llm.llm_engine.input_processor.vllm_config
+    # where vLLM keeps the flag: aux_output_config from 0.31, model_config in 0.30
+    holder = getattr(config, "aux_output_config", None) or config.model_config
+    saved = holder.enable_return_routed_experts
+    assert saved == routes_supported()
+    if not saved:  # vLLM 0.31+ on CPU: this engine returns no routes
+        with stock_vllm():
+            assert _generate(llm, [params])[0].routed_experts is None  # stock: served without them
+    holder.enable_return_routed_experts = False
+    try:
+        with pytest.raises(SampleSupportRefused, match="enable_return_routed_experts=True") as info:
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert info.value.setting == "replay_routed_experts"
+        assert llm.llm_engine.get_num_unfinished_requests() == 0
+        # a request that does not ask for routes by itself is served as before (support rows)
+        (out,) = _generate(llm, [SamplingParams(top_k=5, max_tokens=3, extra_args=OPT_IN)])
+        assert len(out.token_ids) == 3 and len(support_of(out)) == 3
+    finally:
+        holder.enable_return_routed_experts = saved
+
+
 def test_temperature_vllm_raises_to_its_floor_is_refused(llm):
     """vLLM's SamplingParams raises every temperature in (0, 0.01) to 0.01 when it is built (a
     log line, nothing else): stock, a captured request asking 0.005 got rows computed at 0.01
