@@ -287,6 +287,7 @@ def full_vocab_logprobs_fixed_capacity(
     temperature: float = 1.0,
     vocab_start: int = 0,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ordinary full-vocabulary logprob for at most one flagged row per trajectory.
 
@@ -300,14 +301,50 @@ def full_vocab_logprobs_fixed_capacity(
         capacity: number of trajectories. Exactly ``capacity`` rows are scored whatever the
             data: the first flagged row of each trajectory, row 0 (discarded) for the others.
         lm_head_weight, temperature, vocab_start, tp_group: as in ``support_logprobs_from_hidden``.
+        check_targets: refuse a selected row whose sampled id is outside the vocabulary (one
+            host sync). False for callers that checked the ids already.
 
     Returns:
         ``(logprobs, selected)``: float32 ``[...]`` (0 where not selected) and bool ``[...]``.
         A trajectory's second flagged row is not selected; ``replay_logprobs`` reports it.
 
+    Raises:
+        ReplayDataError (field ``sampled_ids``): with ``check_targets``, a selected row's id is
+        negative or in no rank's vocabulary shard (its "logprob" would be ``-logsumexp``).
+
     Memory is ``[capacity, V_local]``. From hidden states in bf16/fp16 the projection runs in the
     input dtype (as the trainer's own LM head would) and the softmax in float32.
     """
+    lp, selected, outside = _full_vocab_fixed_capacity(
+        source,
+        sampled_ids,
+        needs_full_vocab,
+        trajectory_ids,
+        capacity,
+        lm_head_weight=lm_head_weight,
+        temperature=temperature,
+        vocab_start=vocab_start,
+        tp_group=tp_group,
+    )
+    if check_targets:
+        _raise_target_outside(outside, sampled_ids, trajectory_ids)
+    return lp, selected
+
+
+def _full_vocab_fixed_capacity(
+    source: torch.Tensor,
+    sampled_ids: torch.Tensor,
+    needs_full_vocab: torch.Tensor,
+    trajectory_ids: torch.Tensor,
+    capacity: int,
+    *,
+    lm_head_weight: torch.Tensor | None,
+    temperature: float,
+    vocab_start: int,
+    tp_group,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`full_vocab_logprobs_fixed_capacity` without the host sync: also returns
+    ``outside`` ``[...]`` bool, the selected rows whose sampled id is in no vocabulary shard."""
     _check_temperature(temperature)
     cap = int(capacity)
     if cap < 0:
@@ -324,10 +361,8 @@ def full_vocab_logprobs_fixed_capacity(
     device = source.device
     out_dtype = _compute_dtype(source.dtype if lm_head_weight is None else lm_head_weight.dtype)
     if cap == 0:
-        return (
-            torch.zeros(prefix, dtype=torch.float32, device=device),
-            torch.zeros(prefix, dtype=torch.bool, device=device),
-        )
+        none = torch.zeros(prefix, dtype=torch.bool, device=device)
+        return torch.zeros(prefix, dtype=torch.float32, device=device), none, none
     plan = _FallbackPlan(needs_full_vocab, trajectory_ids, sampled_ids, cap)
     picked = source.new_zeros(cap, dim) if plan.n == 0 else _select_rows(source, plan.rows)
     return plan.scores(picked, lm_head_weight, out_dtype, temperature, vocab_start, tp_group)
@@ -360,9 +395,10 @@ class _FallbackPlan:
         temperature: float,
         vocab_start: int,
         tp_group,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logprobs, selected)`` ``[...]`` from the picked rows ``[cap, D]`` (logits, or hidden
-        states projected by ``lm_head_weight``)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logprobs, selected, outside)`` ``[...]`` from the picked rows ``[cap, D]`` (logits,
+        or hidden states projected by ``lm_head_weight``); ``outside``: selected rows whose
+        sampled id is in no vocabulary shard (their value is ``-logsumexp``, not a logprob)."""
         if lm_head_weight is None:
             logits = picked
         else:
@@ -374,12 +410,17 @@ class _FallbackPlan:
                     expected="[V_local, H]",
                 )
             logits = picked.to(lm_head_weight.dtype) @ lm_head_weight.t()
-        lp = _full_vocab_logprob(logits, self.y_rows, out_dtype, temperature, vocab_start, tp_group)
+        lp, found = _full_vocab_logprob(logits, self.y_rows, out_dtype, temperature, vocab_start, tp_group)
         n, has, first = self.n, self.has, self.first
         target = torch.where(has, first, n)
         out = torch.zeros(n + 1, dtype=lp.dtype, device=lp.device).scatter_add(0, target, torch.where(has, lp, 0.0))
         hits = torch.zeros(n + 1, dtype=torch.long, device=lp.device).scatter_add(0, target, has.long())
-        return out[:n].float().reshape(self.prefix), (hits[:n] > 0).reshape(self.prefix)
+        misses = torch.zeros(n + 1, dtype=torch.long, device=lp.device).scatter_add(0, target, (has & ~found).long())
+        return (
+            out[:n].float().reshape(self.prefix),
+            (hits[:n] > 0).reshape(self.prefix),
+            (misses[:n] > 0).reshape(self.prefix),
+        )
 
 
 def _select_rows(source: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -411,17 +452,20 @@ def _full_vocab_logprob(
     temperature: float,
     vocab_start: int,
     tp_group: torch.distributed.ProcessGroup | None,
-) -> torch.Tensor:
-    """Logprob ``[R]`` (``out_dtype``) of the global ids ``y_rows`` ``[R]`` over the whole
-    (possibly TP-sharded) vocabulary, from raw logits ``[R, V_local]``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprob, found)`` ``[R]``: the logprob (``out_dtype``) of the global ids ``y_rows``
+    ``[R]`` over the whole (possibly TP-sharded) vocabulary, from raw logits ``[R, V_local]``,
+    and whether some shard holds the id (counted in the renormalisation's SUM all-reduce). An id
+    no shard holds gets ``-logsumexp``, which is not a logprob: callers refuse it."""
     v_local = logits.shape[-1]
     z = logits.to(out_dtype) / temperature
     ly = y_rows - vocab_start
     y_local = (ly >= 0) & (ly < v_local)
     y_values = z.gather(1, ly.clamp(0, max(v_local - 1, 0)).unsqueeze(1)).squeeze(1)
     y_values = torch.where(y_local, y_values, 0.0)
-    lp, _ = _renormalise(z, None, y_values, torch.ones_like(y_local), tp_group)
-    return lp
+    lp, counted = _renormalise(z, None, y_values, torch.ones_like(y_local), tp_group, count=y_local)
+    assert counted is not None
+    return lp, counted > 0.5
 
 
 def full_vocab_logprobs(
@@ -431,17 +475,27 @@ def full_vocab_logprobs(
     temperature: float = 1.0,
     vocab_start: int = 0,
     tp_group: torch.distributed.ProcessGroup | None = None,
+    check_targets: bool = True,
 ) -> torch.Tensor:
     """The ordinary full-vocabulary logprob of ``sampled_ids`` ``[...]`` at every position: float32
     ``[...]`` from raw logits ``[..., V_local]`` (this rank's shard when ``tp_group`` is given;
     one MAX and one SUM all-reduce then). For trainers whose vocabulary-parallel cross entropy
-    cannot take their tensor-parallel group."""
+    cannot take their tensor-parallel group.
+
+    Raises:
+        ReplayDataError (field ``sampled_ids``): with ``check_targets`` (one host sync), an id
+        that is negative or in no rank's vocabulary shard, whose value would be
+        ``-logsumexp``. ``check_targets=False`` returns that value, as Megatron's
+        ``vocab_parallel_cross_entropy`` does (its targets outside a shard are masked to 0).
+    """
     _check_temperature(temperature)
     prefix = sampled_ids.shape
     flat = logits.reshape(-1, logits.shape[-1])
-    lp = _full_vocab_logprob(
+    lp, found = _full_vocab_logprob(
         flat, sampled_ids.reshape(-1).long(), _compute_dtype(logits.dtype), temperature, vocab_start, tp_group
     )
+    if check_targets:
+        _raise_target_outside(~found.reshape(prefix), sampled_ids, None)
     return lp.float().reshape(prefix)
 
 
@@ -511,11 +565,13 @@ def replay_logprobs(
             row with support that lacks its sampled token); a loss-bearing position has no
             support and is not its trajectory's first such position (only one synthetic EOS per
             trajectory can be scored), or its trajectory id is outside
-            ``[0, num_trajectories)``; or a supported row's logprob is not finite (non-finite
-            logits). Raised after all collectives (one host sync) on every rank of
-            ``agree_groups``, naming the trajectory, the token, the offending id and (when
-            another rank found it) that rank. Rows with support outside ``loss_mask`` whose
-            sampled token is not a member get logprob 0 and ``valid`` False.
+            ``[0, num_trajectories)``; a supported row's logprob is not finite (non-finite
+            logits); or (field ``sampled_ids``) a synthetic EOS's token id is in no vocabulary
+            shard (its full-vocabulary "logprob" would be ``-logsumexp``). Raised after all
+            collectives (one host sync) on every rank of ``agree_groups``, naming the
+            trajectory, the token, the offending id and (when another rank found it) that
+            rank. Rows with support outside ``loss_mask`` whose sampled token is not a member
+            get logprob 0 and ``valid`` False.
     """
     if loss_mask.shape != sampled_ids.shape:  # before any collective: every rank checks the same
         raise ReplayDataError(
@@ -523,7 +579,7 @@ def replay_logprobs(
         )
     check: _RowCheck | None
     if lm_head_weight is None:
-        lp, valid, need, fallback, selected, check = _replay_from_logits(
+        lp, valid, need, fallback, selected, outside, check = _replay_from_logits(
             source,
             sampled_ids,
             support_ids,
@@ -549,7 +605,7 @@ def replay_logprobs(
             check=True,
         )
         need = loss_mask.to(torch.bool) & ~valid
-        fallback, selected = full_vocab_logprobs_fixed_capacity(
+        fallback, selected, outside = _full_vocab_fixed_capacity(
             source,
             sampled_ids,
             need,
@@ -563,7 +619,7 @@ def replay_logprobs(
     uncovered = need & ~selected
     nonfinite = valid & ~torch.isfinite(lp)
     assert check is not None
-    local = _first_error(check, uncovered, nonfinite, trajectory_ids, sampled_ids, token_index)
+    local = _first_error(check, uncovered, nonfinite, outside, trajectory_ids, sampled_ids, token_index)
     groups = [g for g in agree_groups if g is not None and _tp_size(g) > 1]
     if groups:
         table, here, sizes = _agree(local, groups)
@@ -591,10 +647,11 @@ def _replay_from_logits(
     temperature: float,
     vocab_start: int,
     tp_group,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _RowCheck]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _RowCheck]:
     """:func:`support_logprobs` and :func:`full_vocab_logprobs_fixed_capacity` on the same logits
     with one gather (:class:`_GatherCandidatesAndRows`): the logits get one dense gradient, not
-    one per function plus their sum. Returns ``(lp, valid, need, fallback, selected, check)``."""
+    one per function plus their sum. Returns ``(lp, valid, need, fallback, selected, outside,
+    check)``."""
     _check_common(logits, sampled_ids, support_ids, temperature)
     prefix = sampled_ids.shape
     if trajectory_ids.shape != prefix:
@@ -621,12 +678,12 @@ def _replay_from_logits(
     lp = torch.where(valid, lp, 0.0).float().reshape(prefix)
     if plan is None:
         fallback = torch.zeros(prefix, dtype=torch.float32, device=logits.device)
-        selected = torch.zeros(prefix, dtype=torch.bool, device=logits.device)
+        selected = outside = torch.zeros(prefix, dtype=torch.bool, device=logits.device)
     else:
         if not plan.n:
             picked = logits.new_zeros(cap, v_local)
-        fallback, selected = plan.scores(picked, None, cdt, temperature, vocab_start, tp_group)
-    return lp, valid.reshape(prefix), need, fallback, selected, rows_check
+        fallback, selected, outside = plan.scores(picked, None, cdt, temperature, vocab_start, tp_group)
+    return lp, valid.reshape(prefix), need, fallback, selected, outside, rows_check
 
 
 class _GatherCandidatesAndRows(torch.autograd.Function):
@@ -659,7 +716,7 @@ class _GatherCandidatesAndRows(torch.autograd.Function):
 
 # What can be wrong at one position, in the order errors are reported: the lowest kind found
 # anywhere, at its first position.
-_BAD_ID, _OUT_OF_VOCAB, _DUPLICATE, _NOT_MEMBER, _UNCOVERED, _NONFINITE = 1, 2, 3, 4, 5, 6
+_BAD_ID, _OUT_OF_VOCAB, _DUPLICATE, _NOT_MEMBER, _UNCOVERED, _NONFINITE, _TARGET_OUTSIDE = 1, 2, 3, 4, 5, 6, 7
 #: One row of the error table: (kind, trajectory, token, target id, offending id, count).
 _ERROR_FIELDS = 6
 
@@ -786,17 +843,19 @@ def _first_error(
     check: _RowCheck,
     uncovered: torch.Tensor,
     nonfinite: torch.Tensor,
+    outside: torch.Tensor,
     trajectory_ids: torch.Tensor,
     sampled_ids: torch.Tensor,
     token_index: torch.Tensor | None,
 ) -> torch.Tensor:
     """int64 ``[6]``: ``(kind, trajectory, token, target id, offending id, count)`` of this rank's
     first problem (kind 0 = none): the lowest kind found, at its first position. One host sync."""
-    code = torch.where(
-        check.code > 0,
-        check.code,
-        torch.where(uncovered.reshape(-1), _UNCOVERED, torch.where(nonfinite.reshape(-1), _NONFINITE, 0)),
+    later = torch.where(
+        uncovered.reshape(-1),
+        _UNCOVERED,
+        torch.where(nonfinite.reshape(-1), _NONFINITE, torch.where(outside.reshape(-1), _TARGET_OUTSIDE, 0)),
     )
+    code = torch.where(check.code > 0, check.code, later)
     if not bool(code.any()):
         return torch.zeros(_ERROR_FIELDS, dtype=torch.int64)
     kind = int(code[code > 0].min())
@@ -883,12 +942,53 @@ def _raise_error(
             f"only one, or its trajectory id is outside [0, {num_trajectories})"
         )
         expected = "support for every loss-bearing position but one synthetic EOS per trajectory"
-    else:
+    elif kind == _NONFINITE:
         problem = f"support logprob of target id {target} is not finite: the logits are not finite"
         expected = "finite logits"
+    else:
+        problem = (
+            f"sampled token {target} of the loss-bearing position without support (the trajectory's synthetic "
+            f"EOS, scored over the full vocabulary) is {_outside_text(vocab)}"
+        )
+        expected = "a token id in [0, V), V the vocabulary (summed over the tensor-parallel shards)"
     if other is not None:
         problem += f" (found by another rank: ranks {other} in agree_groups)"
-    raise ReplayDataError("support_ids", problem, trajectory=None if tid < 0 else tid, token=token, expected=expected)
+    field = "sampled_ids" if kind == _TARGET_OUTSIDE else "support_ids"
+    raise ReplayDataError(field, problem, trajectory=None if tid < 0 else tid, token=token, expected=expected)
+
+
+def _outside_text(vocab: _Vocab) -> str:
+    if vocab.tp_size == 1:
+        return f"outside the vocabulary [{vocab.start}, {vocab.start + vocab.size})"
+    return f"in no tensor-parallel rank's vocabulary shard (the vocabulary is split over {vocab.tp_size} ranks)"
+
+
+def _raise_target_outside(
+    outside: torch.Tensor, sampled_ids: torch.Tensor, trajectory_ids: torch.Tensor | None
+) -> None:
+    """Raise for the first True of ``outside`` ``[...]`` (one host sync): a scored id no
+    vocabulary shard holds. Located by ``trajectory_ids`` when given (the token is the
+    position's index among its trajectory's), else by the position's index in ``[B, ...]``."""
+    if not bool(outside.any()):
+        return
+    pos = int(torch.nonzero(outside.reshape(-1))[0, 0])
+    prefix = outside.shape
+    if trajectory_ids is not None:
+        traj = trajectory_ids.reshape(-1).long()
+        tid = int(traj[pos])
+        trajectory, token = (None if tid < 0 else tid), int((traj[:pos] == tid).sum())
+    elif len(prefix) >= 2:
+        trajectory, token = divmod(pos, int(math.prod(prefix[1:])))
+    else:
+        trajectory, token = None, pos
+    raise ReplayDataError(
+        "sampled_ids",
+        f"token id {int(sampled_ids.reshape(-1)[pos])} is negative or in no vocabulary shard: its full-vocabulary "
+        "logprob does not exist",
+        trajectory=trajectory,
+        token=token,
+        expected="token ids in [0, V), V the vocabulary (summed over the tensor-parallel shards)",
+    )
 
 
 # --------------------------------------------------------------------------- shared math

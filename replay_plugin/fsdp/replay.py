@@ -150,8 +150,9 @@ def response_logprobs(
         shapes or width that disagree; support ids outside the vocabulary or negative other
         than ``-1``, or an id twice in one row (any row, loss-bearing or not); ``indices`` that
         are not the attention mask's valid positions; a loss-bearing token that has no
-        predicting position, that has a support row not containing it, or that is its
-        trajectory's second loss-bearing token without support; a supported logprob that is not
+        predicting position, that has a support row not containing it, whose id is outside the
+        vocabulary (field ``input_ids``), or that is its trajectory's second loss-bearing token
+        without support; a supported logprob that is not
         finite. A row outside the loss mask whose token is not in it (``on_inexact="mask"``)
         scores 0.
     """
@@ -375,7 +376,12 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
     outside = (support >= vocab).any(dim=2) | (support < -1).any(dim=2)
     srt = support.sort(dim=2).values  # a repeated member would count twice in the normaliser
     repeated = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(dim=2)
-    checks = torch.stack([outside.any(), repeated.any(), no_predictor.any(), not_member.any(), extra.any()]).tolist()
+    # A synthetic EOS is scored over the full vocabulary: an id outside it would index past the
+    # logits (or, from hidden states, score -logsumexp). Supported rows are covered by not_member.
+    bad_token = tmask & ((input_ids < 0) | (input_ids >= vocab))
+    checks = torch.stack(
+        [outside.any(), repeated.any(), bad_token.any(), no_predictor.any(), not_member.any(), extra.any()]
+    ).tolist()
     if not any(checks):
         return
     first = seq - num_actions
@@ -396,6 +402,15 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
             trajectory=b,
             token=s - first,
             expected="distinct ids in each support row",
+        )
+    if checks.pop(0):
+        b, s = (int(v) for v in bad_token.nonzero()[0])
+        raise ReplayDataError(
+            "input_ids",
+            f"loss-bearing token id {int(input_ids[b, s])} is outside the vocabulary of {vocab}",
+            trajectory=b,
+            token=s - first,
+            expected=f"token ids in [0, {vocab})",
         )
     if checks[0]:
         b, s = (int(v) for v in no_predictor.nonzero()[0])
@@ -464,7 +479,14 @@ def _replay_local(src, target, input_ids, support, tmask, batch, seq, lm_head_we
         # Fixed capacity B on every rank: the same work and no data-dependent branch, wherever
         # the synthetic EOS rows fall (their uniqueness per trajectory was checked on the batch).
         full, selected = full_vocab_logprobs_fixed_capacity(
-            src, sampled, need_mask & ~valid, traj, batch, lm_head_weight=lm_head_weight, temperature=temperature
+            src,
+            sampled,
+            need_mask & ~valid,
+            traj,
+            batch,
+            lm_head_weight=lm_head_weight,
+            temperature=temperature,
+            check_targets=False,  # the loss-bearing ids were checked on the batch
         )
         return torch.where(valid, lp, full), valid | selected
     return _replay_from_logits(src, sampled, sup, need_mask, traj, batch, temperature)
@@ -516,7 +538,13 @@ def _replay_from_logits(logits, sampled, sup, need_mask, traj, batch, temperatur
     # A row outside the loss whose token is not in it (on_inexact="mask") has no logprob.
     valid = valid & ((rows_sup == y.unsqueeze(1)).any(dim=1) | need_mask.reshape(-1))
     full, _ = full_vocab_logprobs_fixed_capacity(
-        picked, y.index_select(0, rows), has, torch.arange(batch, device=device), batch, temperature=temperature
+        picked,
+        y.index_select(0, rows),
+        has,
+        torch.arange(batch, device=device),
+        batch,
+        temperature=temperature,
+        check_targets=False,  # the loss-bearing ids were checked on the batch
     )
     target = torch.where(has, rows, n)
     fallback = torch.zeros(n + 1, dtype=full.dtype, device=device).scatter_add(0, target, torch.where(has, full, 0.0))

@@ -246,6 +246,7 @@ def replay_response_logprobs(
         context-parallel rank; and, from :func:`replay_plugin.core.logprobs.replay_logprobs`,
         on the rows this rank scores: a support id outside the global vocabulary, a negative
         id other than ``-1``, an id twice in a row, a loss-bearing row without its token, a
+        synthetic EOS whose token id is in no vocabulary shard (field ``sampled_ids``), a
         logprob that is not finite. The input checks run before any collective on inputs every
         tensor- and context-parallel rank holds whole (the batch grid); the data-dependent ones
         (the support rows of a rank's slots, found on the device in the host sync that was
@@ -414,13 +415,16 @@ def _megatron_logprobs(
     ):
         return -vocab_parallel_cross_entropy(logits / temperature, sampled.long()).float()
     # megatron-core 0.16.x: vocab_parallel_cross_entropy always reduces over parallel_state's
-    # tensor-parallel group; a model built with another pg_collection gets the same math over its own.
+    # tensor-parallel group; a model built with another pg_collection gets the same math over its own
+    # (check_targets=False: like Megatron's, a target in no shard scores -logsumexp; replay off keeps
+    # Megatron's semantics).
     return core.full_vocab_logprobs(
         logits,
         sampled,
         temperature=temperature,
         vocab_start=_vocab_start(logits.shape[-1], g.tp_rank, g.tp_size),
         tp_group=_reduce(g.tp, g.tp_size),
+        check_targets=False,
     )
 
 

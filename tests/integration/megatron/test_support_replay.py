@@ -651,12 +651,12 @@ def scenario_tp_support_ids(rank: int) -> dict:
     b, s = 0, S - 2  # the bad row's grid position: a loss-bearing response token
     prompt = (0, S - LENGTHS[0] + 2)  # a prompt token that is scored (outside the loss)
 
-    def run(sup, mask, fused):
+    def run(sup, mask, fused, tokens=ids):
         out_kw = {"output_weight": weight} if fused else {}
         source = hidden if fused else logits
         with _count_collectives() as counts:
             try:
-                value = replay_response_logprobs(source, ids, layout, support_ids=sup, loss_mask=mask, **out_kw)
+                value = replay_response_logprobs(source, tokens, layout, support_ids=sup, loss_mask=mask, **out_kw)
                 return {"value": value, "collectives": counts}
             except ReplayDataError as exc:
                 err = {"field": exc.field, "trajectory": exc.trajectory, "token": exc.token, "message": str(exc)}
@@ -714,6 +714,10 @@ def scenario_tp_support_ids(rank: int) -> dict:
                     "collectives": res["collectives"],
                 }
             entry[kind] = res
+        # row 1's synthetic EOS token in no shard (scored -logsumexp before, silently)
+        eos_ids = ids.clone()
+        eos_ids[1, S - 1] = V
+        entry["eos_beyond_vocabulary"] = run(support, loss, fused, eos_ids)
         out["fused" if fused else "logits"] = entry
 
     # the low-level call on the vocab-parallel logits: the other rank's ids are members, V is not
@@ -755,11 +759,23 @@ def test_tensor_parallel_support_ids_are_checked_against_the_global_vocabulary()
                 assert (err["field"], err["trajectory"], err["token"]) == ("support_ids", b, s), (path, kind, err)
                 assert text in err["message"], (path, kind, err)
                 assert res[kind]["collectives"] == good_counts, (path, kind)  # no collective of its own
+            eos = res["eos_beyond_vocabulary"].get("error")
+            assert eos is not None, (path, rank, res["eos_beyond_vocabulary"])
+            assert (eos["field"], eos["trajectory"], eos["token"]) == ("sampled_ids", 1, S - 1), (path, eos)
+            assert f"sampled token {V} of the loss-bearing position without support" in eos["message"], eos
+            assert res["eos_beyond_vocabulary"]["collectives"] == good_counts, path
             outside = res["beyond_vocabulary_outside_loss"].get("error")
             assert outside is not None and (outside["trajectory"], outside["token"]) == (0, S - LENGTHS[0] + 2)
             masked = res["not_member_outside_loss"]
             assert masked["at_row"] == 0.0 and masked["others_vs_good"] < 1e-6, masked
-        for kind in ("beyond_vocabulary", "negative", "duplicate", "not_member", "beyond_vocabulary_outside_loss"):
+        for kind in (
+            "beyond_vocabulary",
+            "negative",
+            "duplicate",
+            "not_member",
+            "beyond_vocabulary_outside_loss",
+            "eos_beyond_vocabulary",
+        ):
             assert per_rank[0][kind]["error"] == per_rank[1][kind]["error"], kind  # every rank, the same error
     for res in ranks:
         assert res["low_level_good"] < 1e-5

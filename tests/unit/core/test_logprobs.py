@@ -233,7 +233,9 @@ def test_full_vocab_fallback_scores_first_flagged_row_per_trajectory(use_hidden,
     need[2, 4] = True
     scored_rows = []
     real = lp_mod._renormalise
-    monkeypatch.setattr(lp_mod, "_renormalise", lambda v_, *a: scored_rows.append(v_.shape[0]) or real(v_, *a))
+    monkeypatch.setattr(
+        lp_mod, "_renormalise", lambda v_, *a, **k: scored_rows.append(v_.shape[0]) or real(v_, *a, **k)
+    )
     src, kw = (hidden, {"lm_head_weight": weight}) if use_hidden else (logits, {})
     out, sel = full_vocab_logprobs_fixed_capacity(src, y, need, traj, b, temperature=1.3, **kw)
     assert scored_rows == [b]  # fixed capacity, whatever the data

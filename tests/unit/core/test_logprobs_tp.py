@@ -118,7 +118,11 @@ class _Counter:
 
 
 def _check_tp(rank, world):
-    from replay_plugin.core.logprobs import replay_logprobs, support_logprobs, support_logprobs_from_hidden
+    from replay_plugin.core.logprobs import (
+        replay_logprobs,
+        support_logprobs,
+        support_logprobs_from_hidden,
+    )
 
     group = dist.new_group(list(range(world)))
     shard = V // world
@@ -221,7 +225,12 @@ def _check_tp_vocabulary(rank, world):
     """Ids of another rank's shard are members; an id past the last shard is refused by every
     rank alike (before: dropped from the normaliser, silently), with no extra collective."""
     from replay_plugin.core.errors import ReplayDataError
-    from replay_plugin.core.logprobs import replay_logprobs, support_logprobs, support_logprobs_from_hidden
+    from replay_plugin.core.logprobs import (
+        full_vocab_logprobs,
+        replay_logprobs,
+        support_logprobs,
+        support_logprobs_from_hidden,
+    )
 
     group = dist.new_group(list(range(world)))
     shard = V // world
@@ -282,6 +291,31 @@ def _check_tp_vocabulary(rank, world):
             assert (e.field, e.trajectory, e.token) == ("support_ids", 2, 3), (name, str(e))
             assert f"largest id {V}" in str(e) and f"split over {world} ranks" in str(e), str(e)
             assert "another rank" not in str(e)  # every rank found it itself
+        # A synthetic EOS (trajectory 0's last token: loss-bearing, no support) is scored over the
+        # full vocabulary: V - 1 (the last shard's last id) is fine, V and -2 are in no shard and
+        # refused by every rank, found in the count that rides the SUM all-reduce (before: scored
+        # -logsumexp, silently).
+        for name, call in calls(support):
+            if not name.startswith("replay"):
+                continue
+            y[0, S - 1] = V - 1
+            res = call()
+            ref = torch.log_softmax(full[0, S - 1], -1)[V - 1]
+            torch.testing.assert_close(res.logprobs[0, S - 1].double(), ref, rtol=1e-5, atol=1e-6)
+            for target in (V, -2):
+                y[0, S - 1] = target
+                before = counter.calls
+                with pytest.raises(ReplayDataError) as err:
+                    call()
+                assert counter.calls - before == good[name][1], name
+                e = err.value
+                assert (e.field, e.trajectory, e.token) == ("sampled_ids", 0, S - 1), (name, str(e))
+                assert f"sampled token {target} " in str(e) and "in no tensor-parallel rank's" in str(e), str(e)
+        y[0, S - 1] = V
+        with pytest.raises(ReplayDataError, match=f"token id {V} is negative or in no vocabulary shard"):
+            full_vocab_logprobs(logits_local, y, vocab_start=lo, tp_group=group)
+        unchecked = full_vocab_logprobs(logits_local, y, vocab_start=lo, tp_group=group, check_targets=False)
+        torch.testing.assert_close(unchecked[0, S - 1].double(), -torch.logsumexp(full[0, S - 1], -1))
     finally:
         torch.distributed.all_reduce = counter.real
 

@@ -17,7 +17,13 @@ import torch
 
 from replay_plugin.core import logprobs as lp_mod
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
-from replay_plugin.core.logprobs import replay_logprobs, support_logprobs, support_logprobs_from_hidden
+from replay_plugin.core.logprobs import (
+    full_vocab_logprobs,
+    full_vocab_logprobs_fixed_capacity,
+    replay_logprobs,
+    support_logprobs,
+    support_logprobs_from_hidden,
+)
 
 B, S, W, V, H = 2, 4, 4, 12, 6
 BAD = (1, 2)  # the (trajectory, token) every bad row is put at
@@ -105,6 +111,61 @@ def test_bad_support_rows_are_refused_naming_trajectory_token_and_id(entry, kind
     assert (e.field, e.trajectory, e.token) == ("support_ids", *BAD), str(e)
     assert text in str(e), str(e)
     assert e.expected
+
+
+@pytest.mark.parametrize("target", [V, V + 7, -1, -3])
+@pytest.mark.parametrize("entry", ["replay_logits", "replay_hidden"])
+def test_a_synthetic_eos_token_outside_the_vocabulary_is_refused(entry, target, monkeypatch):
+    """Trajectory 1's last token has no support and is loss-bearing: its synthetic EOS, scored
+    over the full vocabulary. Its sampled id outside [0, V) has no logprob; before, it got
+    ``-logsumexp`` of the row (the target's logit read as 0), silently."""
+    _, _, sampled, support, _, _ = _case()
+    sampled = sampled.clone()
+    sampled[1, S - 1] = target
+    with pytest.raises(ReplayDataError) as err:
+        _call(entry, support, sampled=sampled, monkeypatch=monkeypatch)
+    e = err.value
+    assert (e.field, e.trajectory, e.token) == ("sampled_ids", 1, S - 1), str(e)
+    assert f"sampled token {target} of the loss-bearing position without support" in str(e), str(e)
+    assert f"outside the vocabulary [0, {V})" in str(e), str(e)
+    # The last id is fine, and equals the plain log-softmax.
+    sampled[1, S - 1] = V - 1
+    lp, valid = _call(entry, support, sampled=sampled, monkeypatch=monkeypatch)
+    hidden, weight = _case()[:2]
+    ref = torch.log_softmax(hidden[1, S - 1] @ weight.t(), -1)[V - 1]
+    assert bool(valid[1, S - 1])
+    torch.testing.assert_close(lp[1, S - 1].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_hidden", [False, True])
+def test_full_vocabulary_entries_refuse_ids_outside_the_vocabulary(use_hidden):
+    """``full_vocab_logprobs`` and ``full_vocab_logprobs_fixed_capacity`` (public): an id in no
+    shard is refused naming its position; ``check_targets=False`` returns what Megatron's
+    ``vocab_parallel_cross_entropy`` returns there, ``-logsumexp`` (not a logprob)."""
+    hidden, weight, sampled, _, loss, traj = _case()
+    logits = hidden @ weight.t()
+    y = sampled.clone()
+    y[1, 2] = V + 2
+    with pytest.raises(ReplayDataError) as err:
+        full_vocab_logprobs(logits, y)
+    assert (err.value.field, err.value.trajectory, err.value.token) == ("sampled_ids", 1, 2), str(err.value)
+    unchecked = full_vocab_logprobs(logits, y, check_targets=False)
+    torch.testing.assert_close(unchecked[1, 2].double(), -torch.logsumexp(logits[1, 2], -1))
+    need = torch.zeros(B, S, dtype=torch.bool)
+    need[1, 2] = need[0, 3] = True
+    kw = {"lm_head_weight": weight} if use_hidden else {}
+    source = hidden if use_hidden else logits
+    with pytest.raises(ReplayDataError) as err:
+        full_vocab_logprobs_fixed_capacity(source, y, need, traj, B, **kw)
+    assert (err.value.field, err.value.trajectory, err.value.token) == ("sampled_ids", 1, 2), str(err.value)
+    out, selected = full_vocab_logprobs_fixed_capacity(source, y, need, traj, B, check_targets=False, **kw)
+    assert bool(selected[1, 2]) and bool(selected[0, 3])
+    torch.testing.assert_close(out[1, 2].double(), -torch.logsumexp(logits[1, 2], -1))
+    # rows not selected are not checked: the same id where nothing is scored passes
+    need[1, 2] = False
+    out, selected = full_vocab_logprobs_fixed_capacity(source, y, need, traj, B, **kw)
+    assert not bool(selected[1, 2])
+    torch.testing.assert_close(out[0, 3].double(), torch.log_softmax(logits[0, 3], -1)[int(y[0, 3])])
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
@@ -274,6 +335,16 @@ def test_fsdp_entry_refuses_duplicates_and_zeroes_masked_rows_without_their_toke
         call(dup, loss)
     assert (err.value.field, err.value.trajectory, err.value.token) == ("support_ids", 0, 1)
     assert "twice" in str(err.value)
+    # a synthetic EOS (loss-bearing, no support) whose id is outside the vocabulary: before,
+    # an index error from the logits path, -logsumexp from hidden states
+    eos = support.clone()
+    eos[0, seq - 1] = -1
+    bad_ids = ids.clone()
+    bad_ids[0, seq - 1] = V + 1
+    with pytest.raises(ReplayDataError) as err:
+        response_logprobs(source, bad_ids, attention, actions, support_ids=eos, loss_mask=loss, lm_head_weight=weight)
+    assert (err.value.field, err.value.trajectory, err.value.token) == ("input_ids", 0, actions - 1)
+    assert f"token id {V + 1} is outside the vocabulary of {V}" in str(err.value)
     # a row outside the loss without its token: 0 there, the rest unchanged
     masked = support.clone()
     masked[1, seq - 1, 0] = (int(ids[1, seq - 1]) + 1) % V
