@@ -171,7 +171,15 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         print(f"compat matrix: {report['matrix']}")
-        print(_table(report["upstreams"], ("upstream", "distribution", "version", "supported", "tier")))
+        rows = [
+            {
+                **up,
+                "tested": ", ".join(up["tested"]) or None,
+                "source-verified": ", ".join(up["source_verified"]) or None,
+            }
+            for up in report["upstreams"]
+        ]
+        print(_table(rows, ("upstream", "distribution", "version", "supported", "tier", "tested", "source-verified")))
         for up in report["upstreams"]:
             if up["tier"] == "source-verified":
                 print(f"note: {up['upstream']} {up['version']} is source-verified, never run in CI: {up['evidence']}")

@@ -64,6 +64,24 @@ def test_matrix_check_passes_on_the_tested_environment(report):
     assert all(tiers[u] == "tested" for u in _env_upstreams()), tiers
 
 
+def test_text_output_names_the_tested_and_source_verified_releases():
+    """The text table shows, per upstream, the releases CI runs and those only read from their
+    sources (vLLM 0.33/0.34 among them: decided from their sources, issue 26), from the shipped
+    matrix; a version installed or not."""
+    proc = cli("matrix")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("upstream "))
+    assert lines[header].split()[-2:] == ["tested", "source-verified"], lines[header]
+    raw = shipped_matrix()["upstreams"]
+    for key, up in raw.items():
+        row = next(line for line in lines[header + 2 :] if line.split()[:1] == [key])
+        assert ", ".join(up["tested"]) in row, (key, row)
+        assert ", ".join(up.get("source_verified") or {}) in row, (key, row)
+    vllm_row = next(line for line in lines[header + 2 :] if line.startswith("vllm "))
+    assert "0.33.0, 0.34.0" in vllm_row, vllm_row
+
+
 def test_static_fingerprints_equal_the_imported_ones(report):
     """scripts/sync.py records untested releases from their wheels' sources without importing
     them (compat.static_fingerprint); here both ways run on the installed upstreams and agree
