@@ -10,7 +10,8 @@ small and has a wide version range (no upper bound) so that it stays when the ca
 are skipped: it checks the request's replay keys (bad values and internal keys are refused
 naming the key) and refuses a request that wants replay data while a patch it needs is not
 applied in this process (the capture patch; the compact-routes patch when routes are asked for
-explicitly; the serving patches when the OpenAI server is loaded), and a request that asks for
+explicitly; the OpenAI serving patches when the OpenAI server is loaded; ``/inference/v1/generate``
+refuses by itself without ``vllm.generate_fields``), and a request that asks for
 routes explicitly from an engine started without ``enable_return_routed_experts`` (vLLM returns
 ``routed_experts=None`` then, silently). Remove with the last capture patch.
 """
@@ -27,11 +28,13 @@ from .refusal import refusal
 
 #: Patch states that serve replay data.
 _SERVING = ("applied", "not-needed")
-#: Patches a served request needs when their trigger module is loaded in this process.
+#: Patches a served request needs when their trigger module is loaded in this process. Not
+#: ``vllm.generate_fields``: only ``/inference/v1/generate`` needs it, and that endpoint refuses by
+#: itself when it is not serving (``vllm.served_endpoints``); here its absence would refuse the
+#: completions and chats of every ``vllm serve`` whose vLLM it does not cover (0.33, 0.34).
 _SERVED = {
     "vllm.openai_fields": "vllm.entrypoints.openai.completion.serving",
     "vllm.served_endpoints": "vllm.entrypoints.openai.chat_completion.serving",
-    "vllm.generate_fields": "vllm.entrypoints.scale_out.token_in_token_out.serving",
 }
 
 
@@ -63,8 +66,14 @@ def missing_patches(wants_support: bool, wants_routes: bool) -> list[str]:
     if wants_routes:
         needed.append("vllm.routed_experts")
     needed += [name for name, module in _SERVED.items() if module in sys.modules]
+    return patch_problems(needed)
+
+
+def patch_problems(names: list[str]) -> list[str]:
+    """For each patch of ``names`` that is not serving replay data in this process: its state,
+    why, and the fix (empty when all are)."""
     problems = []
-    for name in needed:
+    for name in names:
         st = states.get(name)
         if st is None:
             problems.append(f"patch {name} is not registered in this process (is replay-plugin installed here?)")

