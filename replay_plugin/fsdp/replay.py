@@ -379,57 +379,50 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
     # A synthetic EOS is scored over the full vocabulary: an id outside it would index past the
     # logits (or, from hidden states, score -logsumexp). Supported rows are covered by not_member.
     bad_token = tmask & ((input_ids < 0) | (input_ids >= vocab))
-    checks = torch.stack(
-        [outside.any(), repeated.any(), bad_token.any(), no_predictor.any(), not_member.any(), extra.any()]
-    ).tolist()
-    if not any(checks):
+    # (flags [B, S], field, problem at (b, s), expected), in the order they are reported
+    cases = (
+        (
+            outside,
+            "support_ids",
+            lambda b, s: f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
+            f"ids in [0, {vocab}) and -1 padding",
+        ),
+        (
+            repeated,
+            "support_ids",
+            lambda b, s: f"row {support[b, s].tolist()} holds an id twice (it would count twice in the normaliser)",
+            "distinct ids in each support row",
+        ),
+        (
+            bad_token,
+            "input_ids",
+            lambda b, s: f"loss-bearing token id {int(input_ids[b, s])} is outside the vocabulary of {vocab}",
+            f"token ids in [0, {vocab})",
+        ),
+        (
+            no_predictor,
+            "loss_mask",
+            lambda b, s: (
+                "loss-bearing token has no predicting position (it is its row's first valid token, or a "
+                "padding position)"
+            ),
+            "loss only on valid tokens that follow another valid token",
+        ),
+        (
+            not_member,
+            "support_ids",
+            lambda b, s: f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
+            "every loss-bearing support row to contain its sampled token",
+        ),
+    )
+    found = torch.stack([flags.any() for flags, *_ in cases] + [extra.any()]).tolist()  # one host sync
+    if not any(found):
         return
     first = seq - num_actions
-    if checks.pop(0):
-        b, s = (int(v) for v in outside.nonzero()[0])
-        raise ReplayDataError(
-            "support_ids",
-            f"row {support[b, s].tolist()} holds ids outside the vocabulary of {vocab}",
-            trajectory=b,
-            token=s - first,
-            expected=f"ids in [0, {vocab}) and -1 padding",
-        )
-    if checks.pop(0):
-        b, s = (int(v) for v in repeated.nonzero()[0])
-        raise ReplayDataError(
-            "support_ids",
-            f"row {support[b, s].tolist()} holds an id twice (it would count twice in the normaliser)",
-            trajectory=b,
-            token=s - first,
-            expected="distinct ids in each support row",
-        )
-    if checks.pop(0):
-        b, s = (int(v) for v in bad_token.nonzero()[0])
-        raise ReplayDataError(
-            "input_ids",
-            f"loss-bearing token id {int(input_ids[b, s])} is outside the vocabulary of {vocab}",
-            trajectory=b,
-            token=s - first,
-            expected=f"token ids in [0, {vocab})",
-        )
-    if checks[0]:
-        b, s = (int(v) for v in no_predictor.nonzero()[0])
-        raise ReplayDataError(
-            "loss_mask",
-            "loss-bearing token has no predicting position (it is its row's first valid token, or a padding position)",
-            trajectory=b,
-            token=s - first,
-            expected="loss only on valid tokens that follow another valid token",
-        )
-    if checks[1]:
-        b, s = (int(v) for v in not_member.nonzero()[0])
-        raise ReplayDataError(
-            "support_ids",
-            f"support row {support[b, s].tolist()} does not contain its token {int(input_ids[b, s])}",
-            trajectory=b,
-            token=s - first,
-            expected="every loss-bearing support row to contain its sampled token",
-        )
+    for (flags, field, problem, expected), hit in zip(cases, found):
+        if hit:
+            b, s = (int(v) for v in flags.nonzero()[0])
+            raise ReplayDataError(field, problem(b, s), trajectory=b, token=s - first, expected=expected)
     b = int(extra.nonzero()[0, 0])
     tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
     raise ReplayDataError(
