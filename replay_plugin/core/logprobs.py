@@ -819,10 +819,7 @@ class _RowCheck:
             return
         kind = int(self.code[self.code > 0].min())
         pos = int(torch.nonzero(self.code == kind)[0, 0])
-        trajectory, token = -1, pos
-        if len(prefix) >= 2:
-            inner = int(math.prod(prefix[1:]))
-            trajectory, token = divmod(pos, inner)
+        trajectory, token = _grid_position(pos, prefix)
         value, count = self.detail(kind, pos)
         _raise_error([kind, trajectory, token, int(self.y[pos]), value, count], self.vocab)
 
@@ -914,7 +911,7 @@ def _raise_error(
         expected = "member ids >= 0 and -1 as the only padding id"
     elif kind == _OUT_OF_VOCAB:
         if vocab.tp_size == 1:
-            problem = f"support id {value} is outside the vocabulary [{vocab.start}, {vocab.start + vocab.size})"
+            problem = f"support id {value} is {_outside_text(vocab)}"
             if count > 1:
                 problem += f" ({count} of the row's ids are)"
             expected = "member ids inside the vocabulary (the logits' last dimension, the LM head's rows)"
@@ -963,6 +960,15 @@ def _outside_text(vocab: _Vocab) -> str:
     return f"in no tensor-parallel rank's vocabulary shard (the vocabulary is split over {vocab.tp_size} ranks)"
 
 
+def _grid_position(pos: int, prefix: torch.Size) -> tuple[int, int]:
+    """``(trajectory, token)`` of flat position ``pos`` in ``prefix``: its first index and its
+    index within it, or ``(-1, pos)`` for a 1-D ``prefix`` (trajectory not known)."""
+    if len(prefix) >= 2:
+        trajectory, token = divmod(pos, int(math.prod(prefix[1:])))
+        return trajectory, token
+    return -1, pos
+
+
 def _raise_target_outside(
     outside: torch.Tensor, sampled_ids: torch.Tensor, trajectory_ids: torch.Tensor | None
 ) -> None:
@@ -976,16 +982,14 @@ def _raise_target_outside(
     if trajectory_ids is not None:
         traj = trajectory_ids.reshape(-1).long()
         tid = int(traj[pos])
-        trajectory, token = (None if tid < 0 else tid), int((traj[:pos] == tid).sum())
-    elif len(prefix) >= 2:
-        trajectory, token = divmod(pos, int(math.prod(prefix[1:])))
+        trajectory, token = tid, int((traj[:pos] == tid).sum())
     else:
-        trajectory, token = None, pos
+        trajectory, token = _grid_position(pos, prefix)
     raise ReplayDataError(
         "sampled_ids",
         f"token id {int(sampled_ids.reshape(-1)[pos])} is negative or in no vocabulary shard: its full-vocabulary "
         "logprob does not exist",
-        trajectory=trajectory,
+        trajectory=None if trajectory < 0 else trajectory,
         token=token,
         expected="token ids in [0, V), V the vocabulary (summed over the tensor-parallel shards)",
     )
