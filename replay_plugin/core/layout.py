@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.inputs import as_mask
 
 __all__ = ["TokenMetadataLayout"]
 
@@ -47,15 +48,7 @@ def _bool_mask(attention_mask: Any) -> torch.Tensor:
     mask = _to_tensor(attention_mask, "attention_mask")
     if mask.dim() != 2:
         raise ReplayDataError("attention_mask", f"shape {tuple(mask.shape)}", expected="[batch, seq]")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.dtype.is_floating_point or mask.dtype.is_complex:
-        raise ReplayTypeError("attention_mask", f"dtype {mask.dtype}", expected="bool or 0/1 integers")
-    bad = (mask != 0) & (mask != 1)
-    if bool(bad.any()):
-        b, s = (int(v) for v in bad.nonzero()[0])
-        raise ReplayDataError("attention_mask", f"value {int(mask[b, s])}", trajectory=b, token=s, expected="0 or 1")
-    return mask.bool()
+    return as_mask(mask, "attention_mask")  # bool, or 0/1 numbers (core.inputs)
 
 
 def _check_int(value: Any, field: str, minimum: int) -> int:

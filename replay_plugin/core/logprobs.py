@@ -27,13 +27,22 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed
 import torch.nn.functional as F
 
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.inputs import (
+    as_mask,
+    check_index,
+    check_same_device,
+    check_support_dtype,
+    check_temperature,
+    check_tensor,
+    mask_flags,
+)
 
 #: Default (token, candidate) pairs per chunk of the gather projection path: its temporaries are
 #: ``[chunk, H]`` in float32 (32 MiB at H = 1024).
@@ -86,8 +95,8 @@ def support_logprobs(
         Checked on the device, one host sync; under ``tp_group`` after the two all-reduces,
         identically on every rank.
     """
-    _check_common(logits, sampled_ids, support_ids, temperature)
-    required = _required(loss_mask, sampled_ids.shape)
+    temperature, vocab_start = _check_common(logits, sampled_ids, support_ids, temperature, vocab_start)
+    required, mask_values = _required(loss_mask, sampled_ids)
     lp, valid, check = _support_logprobs(
         logits,
         sampled_ids,
@@ -97,8 +106,10 @@ def support_logprobs(
         tp_group=tp_group,
         required=required,
         check=True,
+        mask_values=mask_values,
     )
     assert check is not None
+    check.flag_nonfinite(lp, valid)
     check.raise_first(sampled_ids.shape)
     return lp, valid
 
@@ -113,14 +124,21 @@ def _support_logprobs(
     tp_group,
     required: torch.Tensor | None,
     check: bool,
+    mask_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, _RowCheck | None]:
     """:func:`support_logprobs` after the input checks; ``check=False`` skips the support-row
     checks (for callers that validated the rows, or score compact inputs whose target is not a
-    member on purpose, as ``replay_plugin.fsdp.replay`` does) and returns no :class:`_RowCheck`."""
+    member on purpose, as ``replay_plugin.fsdp.replay`` does) and returns no :class:`_RowCheck`.
+    ``mask_values`` (flat ``[N]``, from :func:`_required`): an integer loss mask's values, checked
+    to be 0/1."""
     v_local = logits.shape[-1]
     prefix = sampled_ids.shape
     sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
-    rows = _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group) if check else None
+    rows = (
+        _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group, mask_values)
+        if check
+        else None
+    )
     cdt = _compute_dtype(logits.dtype)
     w = local_sup.shape[1]
     # One gather for members and target, on the logits as given (no reshape copy of a strided
@@ -208,8 +226,10 @@ def support_logprobs_from_hidden(
       gradient walks the pairs sorted by vocabulary id, sums each chunk's rows in float32 and
       adds each distinct row once per chunk.
     """
-    _check_common(hidden, sampled_ids, support_ids, temperature)
-    required = _required(loss_mask, sampled_ids.shape)
+    temperature, vocab_start = _check_common(
+        hidden, sampled_ids, support_ids, temperature, vocab_start, source_field="hidden"
+    )
+    required, mask_values = _required(loss_mask, sampled_ids)
     lp, valid, check = _support_logprobs_from_hidden(
         hidden,
         lm_head_weight,
@@ -221,8 +241,10 @@ def support_logprobs_from_hidden(
         tp_group=tp_group,
         required=required,
         check=True,
+        mask_values=mask_values,
     )
     assert check is not None
+    check.flag_nonfinite(lp, valid)
     check.raise_first(sampled_ids.shape)
     return lp, valid
 
@@ -239,9 +261,11 @@ def _support_logprobs_from_hidden(
     tp_group,
     required: torch.Tensor | None,
     check: bool,
+    mask_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, _RowCheck | None]:
-    """:func:`support_logprobs_from_hidden` after the common input checks; ``check`` as in
-    :func:`_support_logprobs`."""
+    """:func:`support_logprobs_from_hidden` after the common input checks; ``check`` and
+    ``mask_values`` as in :func:`_support_logprobs`."""
+    _check_weight(lm_head_weight, hidden)
     if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden.shape[-1]:
         raise ReplayDataError(
             "lm_head_weight",
@@ -253,7 +277,11 @@ def _support_logprobs_from_hidden(
     prefix = sampled_ids.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
-    rows = _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group) if check else None
+    rows = (
+        _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group, mask_values)
+        if check
+        else None
+    )
     w = local_sup.shape[1]
     cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
     local = torch.cat([local_m, y_local.unsqueeze(1)], dim=1)
@@ -345,25 +373,35 @@ def _full_vocab_fixed_capacity(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`full_vocab_logprobs_fixed_capacity` without the host sync: also returns
     ``outside`` ``[...]`` bool, the selected rows whose sampled id is in no vocabulary shard."""
-    _check_temperature(temperature)
-    cap = int(capacity)
-    if cap < 0:
-        raise ReplayDataError("capacity", f"got {capacity}", expected=">= 0")
+    temperature = check_temperature(temperature)
+    vocab_start = check_index(vocab_start, "vocab_start")
+    cap = check_index(capacity, "capacity")
+    source_field = "logits" if lm_head_weight is None else "hidden"
+    check_tensor(source, source_field)
+    if not source.is_floating_point():
+        raise ReplayTypeError(source_field, f"got dtype {source.dtype}", expected="a floating-point tensor")
+    if lm_head_weight is not None:
+        _check_weight(lm_head_weight, source)
+    _check_ids(sampled_ids, "sampled_ids", source, source_field)
+    traj = _check_ids(trajectory_ids, "trajectory_ids", source, source_field)
+    check_tensor(needs_full_vocab, "needs_full_vocab")
+    check_same_device(needs_full_vocab, "needs_full_vocab", source, source_field)
     dim = source.shape[-1]
     prefix = sampled_ids.shape
-    if source.shape[:-1] != prefix or needs_full_vocab.shape != prefix or trajectory_ids.shape != prefix:
+    if source.shape[:-1] != prefix or needs_full_vocab.shape != prefix or traj.shape != prefix:
         raise ReplayDataError(
             "sampled_ids",
             f"shapes {tuple(source.shape)}, {tuple(prefix)}, {tuple(needs_full_vocab.shape)}, "
-            f"{tuple(trajectory_ids.shape)} disagree",
+            f"{tuple(traj.shape)} disagree",
             expected="source [..., D] and [...] for the rest",
         )
+    needs_full_vocab = as_mask(needs_full_vocab, "needs_full_vocab")
     device = source.device
     out_dtype = _compute_dtype(source.dtype if lm_head_weight is None else lm_head_weight.dtype)
     if cap == 0:
         none = torch.zeros(prefix, dtype=torch.bool, device=device)
         return torch.zeros(prefix, dtype=torch.float32, device=device), none, none
-    plan = _FallbackPlan(needs_full_vocab, trajectory_ids, sampled_ids, cap)
+    plan = _FallbackPlan(needs_full_vocab, traj, sampled_ids, cap)
     picked = source.new_zeros(cap, dim) if plan.n == 0 else _select_rows(source, plan.rows)
     return plan.scores(picked, lm_head_weight, out_dtype, temperature, vocab_start, tp_group)
 
@@ -488,7 +526,18 @@ def full_vocab_logprobs(
         ``-logsumexp``. ``check_targets=False`` returns that value, as Megatron's
         ``vocab_parallel_cross_entropy`` does (its targets outside a shard are masked to 0).
     """
-    _check_temperature(temperature)
+    temperature = check_temperature(temperature)
+    vocab_start = check_index(vocab_start, "vocab_start")
+    check_tensor(logits, "logits")
+    if not logits.is_floating_point():
+        raise ReplayTypeError("logits", f"got dtype {logits.dtype}", expected="a floating-point tensor")
+    _check_ids(sampled_ids, "sampled_ids", logits, "logits")
+    if logits.shape[:-1] != sampled_ids.shape:
+        raise ReplayDataError(
+            "sampled_ids",
+            f"shape {tuple(sampled_ids.shape)} for logits {tuple(logits.shape)}",
+            expected="logits [..., V_local], sampled_ids [...]",
+        )
     prefix = sampled_ids.shape
     flat = logits.reshape(-1, logits.shape[-1])
     lp, found = _full_vocab_logprob(
@@ -573,17 +622,29 @@ def replay_logprobs(
             rank. Rows with support outside ``loss_mask`` whose sampled token is not a member
             get logprob 0 and ``valid`` False.
     """
-    if loss_mask.shape != sampled_ids.shape:  # before any collective: every rank checks the same
+    # Every input check before any collective: every rank checks inputs of the same kind.
+    source_field = "logits" if lm_head_weight is None else "hidden"
+    temperature, vocab_start = _check_common(
+        source, sampled_ids, support_ids, temperature, vocab_start, source_field=source_field
+    )
+    required, mask_values = _required(loss_mask, sampled_ids, optional=False)
+    assert required is not None  # optional=False
+    _check_ids(trajectory_ids, "trajectory_ids", source, source_field)
+    if trajectory_ids.shape != sampled_ids.shape:
         raise ReplayDataError(
-            "loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(sampled_ids.shape)}"
+            "trajectory_ids", f"has shape {tuple(trajectory_ids.shape)}", expected=f"{tuple(sampled_ids.shape)}"
         )
+    num_trajectories = check_index(num_trajectories, "num_trajectories")
+    if token_index is not None:
+        _check_ids(token_index, "token_index", source, source_field)
     check: _RowCheck | None
     if lm_head_weight is None:
         lp, valid, need, fallback, selected, outside, check = _replay_from_logits(
             source,
             sampled_ids,
             support_ids,
-            loss_mask,
+            required,
+            mask_values,
             trajectory_ids,
             num_trajectories,
             temperature=temperature,
@@ -591,7 +652,6 @@ def replay_logprobs(
             tp_group=tp_group,
         )
     else:
-        _check_common(source, sampled_ids, support_ids, temperature)
         lp, valid, check = _support_logprobs_from_hidden(
             source,
             lm_head_weight,
@@ -601,10 +661,11 @@ def replay_logprobs(
             chunk_size=chunk_size,
             vocab_start=vocab_start,
             tp_group=tp_group,
-            required=loss_mask.reshape(-1).to(torch.bool),
+            required=required,
             check=True,
+            mask_values=mask_values,
         )
-        need = loss_mask.to(torch.bool) & ~valid
+        need = required.view(sampled_ids.shape) & ~valid
         fallback, selected, outside = _full_vocab_fixed_capacity(
             source,
             sampled_ids,
@@ -617,7 +678,9 @@ def replay_logprobs(
             tp_group=tp_group,
         )
     uncovered = need & ~selected
-    nonfinite = valid & ~torch.isfinite(lp)
+    # Both kinds of value: a support logprob, and a synthetic EOS's full-vocabulary one (NaN
+    # logits reach it too; before, it was returned as NaN with valid True).
+    nonfinite = (valid & ~torch.isfinite(lp)) | (selected & ~torch.isfinite(fallback))
     assert check is not None
     local = _first_error(check, uncovered, nonfinite, outside, trajectory_ids, sampled_ids, token_index)
     groups = [g for g in agree_groups if g is not None and _tp_size(g) > 1]
@@ -640,7 +703,8 @@ def _replay_from_logits(
     logits: torch.Tensor,
     sampled_ids: torch.Tensor,
     support_ids: torch.Tensor,
-    loss_mask: torch.Tensor,
+    required: torch.Tensor,
+    mask_values: torch.Tensor | None,
     trajectory_ids: torch.Tensor,
     num_trajectories: int,
     *,
@@ -650,22 +714,17 @@ def _replay_from_logits(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _RowCheck]:
     """:func:`support_logprobs` and :func:`full_vocab_logprobs_fixed_capacity` on the same logits
     with one gather (:class:`_GatherCandidatesAndRows`): the logits get one dense gradient, not
-    one per function plus their sum. Returns ``(lp, valid, need, fallback, selected, outside,
-    check)``."""
-    _check_common(logits, sampled_ids, support_ids, temperature)
+    one per function plus their sum. Inputs checked by :func:`replay_logprobs` (``required``:
+    the flat bool loss mask, ``mask_values`` an integer mask's values). Returns ``(lp, valid, need,
+    fallback, selected, outside, check)``."""
     prefix = sampled_ids.shape
-    if trajectory_ids.shape != prefix:
-        raise ReplayDataError("trajectory_ids", f"has shape {tuple(trajectory_ids.shape)}", expected=f"{tuple(prefix)}")
-    cap = int(num_trajectories)
-    if cap < 0:
-        raise ReplayDataError("capacity", f"got {num_trajectories}", expected=">= 0")
+    cap = num_trajectories
     v_local = logits.shape[-1]
     sup, member, valid, local_m, local_sup, y_local, ly = _localise(sampled_ids, support_ids, vocab_start, v_local)
-    required = loss_mask.reshape(-1).to(torch.bool)
-    rows_check = _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group)
+    rows_check = _RowCheck(sup, sampled_ids, member, local_m, required, vocab_start, v_local, tp_group, mask_values)
     cdt = _compute_dtype(logits.dtype)
     w = local_sup.shape[1]
-    need = loss_mask.to(torch.bool) & ~valid.reshape(prefix)
+    need = required.view(prefix) & ~valid.reshape(prefix)
     plan = _FallbackPlan(need, trajectory_ids, sampled_ids, cap) if cap else None
     rows = plan.rows if plan is not None and plan.n else torch.zeros(0, dtype=torch.long, device=logits.device)
     cand = torch.cat([local_sup, ly.unsqueeze(1)], dim=1)
@@ -716,9 +775,11 @@ class _GatherCandidatesAndRows(torch.autograd.Function):
 
 # What can be wrong at one position, in the order errors are reported: the lowest kind found
 # anywhere, at its first position.
-_BAD_ID, _OUT_OF_VOCAB, _DUPLICATE, _NOT_MEMBER, _UNCOVERED, _NONFINITE, _TARGET_OUTSIDE = 1, 2, 3, 4, 5, 6, 7
+_BAD_MASK, _BAD_ID, _OUT_OF_VOCAB, _DUPLICATE, _NOT_MEMBER, _UNCOVERED, _NONFINITE, _TARGET_OUTSIDE = range(1, 9)
 #: One row of the error table: (kind, trajectory, token, target id, offending id, count).
 _ERROR_FIELDS = 6
+#: The offending value of a _BAD_MASK row that is no integer (0.5, NaN).
+_NOT_INTEGRAL = -(2**62)
 
 
 class _Vocab(NamedTuple):
@@ -751,8 +812,13 @@ class _RowCheck:
         vocab_start: int,
         v_local: int,
         tp_group,
+        mask_values: torch.Tensor | None = None,
     ) -> None:
         self.sup, self.member, self.local_m = sup, member, local_m
+        # An integer loss mask's values ([N]); one other than 0/1 is reported before everything
+        # else (what the mask selects decides the other checks).
+        self.mask_values = mask_values
+        self.bad_mask = None if mask_values is None else (mask_values != 0) & (mask_values != 1)
         self.y = sampled_ids.reshape(-1).long()
         self.vocab = _Vocab(int(vocab_start), int(v_local), _tp_size(tp_group))
         w = sup.shape[1]
@@ -789,6 +855,14 @@ class _RowCheck:
                 torch.where(self.duplicate, _DUPLICATE, torch.where(self.not_member, _NOT_MEMBER, 0)),
             ),
         )
+        if self.bad_mask is not None:
+            self.code = torch.where(self.bad_mask, _BAD_MASK, self.code)
+
+    def flag_nonfinite(self, lp: torch.Tensor, valid: torch.Tensor) -> None:
+        """Mark valid rows whose logprob is not finite (NaN logits, or members whose logits are all
+        ``-inf``): no row with ``valid`` True may carry NaN (one rule with the FSDP path)."""
+        bad = valid.reshape(-1) & ~torch.isfinite(lp.reshape(-1))
+        self.code = torch.where((self.code == 0) & bad, _NONFINITE, self.code)
 
     def scored(self, valid: torch.Tensor) -> torch.Tensor:
         """``valid`` without the rows outside ``required`` whose sampled token is not a member:
@@ -800,6 +874,11 @@ class _RowCheck:
     def detail(self, kind: int, pos: int) -> tuple[int, int]:
         """``(offending id, count)`` of row ``pos`` for ``kind`` (failure path only)."""
         row = self.sup[pos]
+        if kind == _BAD_MASK:
+            assert self.mask_values is not None
+            value = float(self.mask_values[pos])
+            # The error table holds integers: a fractional or NaN value travels as a marker.
+            return (int(value), 0) if value.is_integer() and abs(value) < 2**62 else (_NOT_INTEGRAL, 0)
         if kind == _BAD_ID:
             return int(row[row < -1][0]), 0
         if kind == _OUT_OF_VOCAB:
@@ -824,16 +903,22 @@ class _RowCheck:
         _raise_error([kind, trajectory, token, int(self.y[pos]), value, count], self.vocab)
 
 
-def _required(loss_mask: torch.Tensor | None, prefix: torch.Size) -> torch.Tensor | None:
-    """``loss_mask`` as flat bool ``[N]`` (None stays None), shape- and dtype-checked."""
-    if loss_mask is None:
-        return None
-    if not isinstance(loss_mask, torch.Tensor) or loss_mask.is_floating_point() or loss_mask.is_complex():
-        got = f"dtype {loss_mask.dtype}" if isinstance(loss_mask, torch.Tensor) else type(loss_mask).__name__
-        raise ReplayTypeError("loss_mask", f"got {got}", expected="a bool or 0/1 integer tensor")
-    if loss_mask.shape != prefix:
-        raise ReplayDataError("loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(prefix)}")
-    return loss_mask.reshape(-1).to(torch.bool)
+def _required(
+    loss_mask: Any, sampled_ids: torch.Tensor, *, optional: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``loss_mask`` as flat bool ``[N]`` and, for an integer mask, its flat values ``[N]`` (None
+    for a bool mask; :class:`_RowCheck` flags those other than 0/1 in its error table, so every
+    rank raises together), shape-, dtype- and device-checked without a host sync. None stays
+    None where ``optional``."""
+    if loss_mask is None and optional:
+        return None, None
+    flat, bad = mask_flags(loss_mask, "loss_mask")
+    check_same_device(loss_mask, "loss_mask", sampled_ids, "sampled_ids")
+    if loss_mask.shape != sampled_ids.shape:
+        raise ReplayDataError(
+            "loss_mask", f"has shape {tuple(loss_mask.shape)}", expected=f"{tuple(sampled_ids.shape)}"
+        )
+    return flat.reshape(-1), None if bad is None else loss_mask.reshape(-1).to(torch.float64)
 
 
 def _first_error(
@@ -906,7 +991,10 @@ def _raise_error(
 ) -> None:
     """Raise the ``ReplayDataError`` of an error-table row (trajectory -1: not known)."""
     kind, tid, token, target, value, count = (int(v) for v in row[:_ERROR_FIELDS])
-    if kind == _BAD_ID:
+    if kind == _BAD_MASK:
+        problem = "holds a fractional or NaN value" if value == _NOT_INTEGRAL else f"holds {value}"
+        expected = "0 or 1 (1 = loss-bearing), or a bool mask"
+    elif kind == _BAD_ID:
         problem = f"support row holds id {value}"
         expected = "member ids >= 0 and -1 as the only padding id"
     elif kind == _OUT_OF_VOCAB:
@@ -940,7 +1028,10 @@ def _raise_error(
         )
         expected = "support for every loss-bearing position but one synthetic EOS per trajectory"
     elif kind == _NONFINITE:
-        problem = f"support logprob of target id {target} is not finite: the logits are not finite"
+        problem = (
+            f"logprob of target id {target} is not finite (support-renormalised, or over the full vocabulary for a "
+            "synthetic EOS): the logits are NaN or infinite, or -inf at every member of the row"
+        )
         expected = "finite logits"
     else:
         problem = (
@@ -950,7 +1041,7 @@ def _raise_error(
         expected = "a token id in [0, V), V the vocabulary (summed over the tensor-parallel shards)"
     if other is not None:
         problem += f" (found by another rank: ranks {other} in agree_groups)"
-    field = "sampled_ids" if kind == _TARGET_OUTSIDE else "support_ids"
+    field = {_TARGET_OUTSIDE: "sampled_ids", _BAD_MASK: "loss_mask", _NONFINITE: "logits"}.get(kind, "support_ids")
     raise ReplayDataError(field, problem, trajectory=None if tid < 0 else tid, token=token, expected=expected)
 
 
@@ -1071,34 +1162,62 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_temperature(temperature) -> None:
-    if (
-        not isinstance(temperature, (int, float))
-        or isinstance(temperature, bool)
-        or not (math.isfinite(temperature) and temperature > 0)
-    ):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-
-
 def _check_chunk(chunk_size) -> int:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+        raise ReplayDataError("chunk_size", f"got {chunk_size!r}", expected="an int >= 1")
     return chunk_size
 
 
-def _check_common(source: torch.Tensor, sampled_ids: torch.Tensor, support_ids: torch.Tensor, temperature) -> None:
-    _check_temperature(temperature)
+def _check_common(
+    source: Any,
+    sampled_ids: Any,
+    support_ids: Any,
+    temperature: Any,
+    vocab_start: Any,
+    *,
+    source_field: str = "logits",
+) -> tuple[float, int]:
+    """The checks every entry taking support rows makes before any computation or collective
+    (``core.inputs`` rules): tensors, dtypes (support ids signed: ``-1`` must stay ``-1``), shapes
+    (width >= 1), one device. Returns the temperature and ``vocab_start`` as numbers."""
+    t = check_temperature(temperature)
+    start = check_index(vocab_start, "vocab_start")
+    check_tensor(source, source_field)
     if not source.is_floating_point():
-        raise ReplayTypeError("logits", f"got dtype {source.dtype}", expected="a floating-point tensor")
-    for name, t in (("sampled_ids", sampled_ids), ("support_ids", support_ids)):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise ReplayTypeError(name, f"got dtype {t.dtype}", expected="an integer tensor")
+        raise ReplayTypeError(source_field, f"got dtype {source.dtype}", expected="a floating-point tensor")
+    for name, x in (("sampled_ids", sampled_ids), ("support_ids", support_ids)):
+        check_tensor(x, name)
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise ReplayTypeError(name, f"got dtype {x.dtype}", expected="an integer tensor")
+        check_same_device(x, name, source, source_field)
+    check_support_dtype(support_ids.dtype)
     if support_ids.dim() < 1 or source.shape[:-1] != sampled_ids.shape or support_ids.shape[:-1] != sampled_ids.shape:
         raise ReplayDataError(
             "support_ids",
             f"shapes {tuple(source.shape)}, {tuple(sampled_ids.shape)}, {tuple(support_ids.shape)} disagree",
             expected="source [..., D], sampled_ids [...], support_ids [..., W]",
         )
+    if support_ids.shape[-1] < 1:
+        raise ReplayDataError(
+            "support_ids", "rows have width 0", expected="width W >= 1 (rows without support are all -1)"
+        )
+    return t, start
+
+
+def _check_weight(lm_head_weight: Any, hidden: torch.Tensor) -> None:
+    check_tensor(lm_head_weight, "lm_head_weight", "[V_local, H]")
+    if not lm_head_weight.is_floating_point():
+        raise ReplayTypeError("lm_head_weight", f"got dtype {lm_head_weight.dtype}", expected="a floating-point tensor")
+    check_same_device(lm_head_weight, "lm_head_weight", hidden, "hidden")
+
+
+def _check_ids(x: Any, field: str, source: torch.Tensor, source_field: str) -> torch.Tensor:
+    """``x``, an integer tensor on ``source``'s device (trajectory and token ids)."""
+    check_tensor(x, field)
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ReplayTypeError(field, f"got dtype {x.dtype}", expected="an integer tensor")
+    check_same_device(x, field, source, source_field)
+    return x
 
 
 # --------------------------------------------------------------------------- fused projection

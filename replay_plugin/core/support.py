@@ -609,12 +609,13 @@ def _rows_of_one_width(
             ids, sampled, exact = r.ids, r.sampled, r.exact
         else:
             ids = np.asarray(r)
-            if ids.ndim != 2 or (ids.size and ids.dtype.kind not in "iu"):
+            if ids.ndim != 2 or (ids.size and ids.dtype.kind != "i"):
                 raise ReplayTypeError(
                     "support",
                     f"got dtype {ids.dtype} with shape {ids.shape}",
                     trajectory=i,
-                    expected="SupportRows or a 2-D integer array",
+                    expected="SupportRows or a 2-D signed integer array (an unsigned dtype cannot hold the -1 "
+                    "padding: uint8 makes it 255, a member id)",
                 )
             sampled = exact = None
         if width is None:
@@ -883,9 +884,11 @@ def _int32_array(values: Any, field: str, *, ndim: int) -> np.ndarray:
     arr = np.asarray(values)
     if arr.size == 0 and arr.dtype.kind not in "iu":
         arr = arr.astype(np.int32)
-    if arr.ndim != ndim or arr.dtype.kind not in "iu":
+    if arr.ndim != ndim or arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size):
+        # Unsigned refused: these arrays hold -1 as padding / "no sample", which uint8 stores as
+        # 255, a member id (issue 32, item 1).
         raise ReplayTypeError(
-            field, f"got dtype {arr.dtype} with shape {arr.shape}", expected=f"a {ndim}-D integer array"
+            field, f"got dtype {arr.dtype} with shape {arr.shape}", expected=f"a {ndim}-D signed integer array"
         )
     if arr.dtype != np.int32:
         if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > INT32_MAX):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed
 
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.inputs import as_mask, check_support_dtype, check_temperature
 from replay_plugin.core.logprobs import (
     DEFAULT_CHUNK_SIZE,
     _support_logprobs,
@@ -156,12 +157,7 @@ def response_logprobs(
         finite. A row outside the loss mask whose token is not in it (``on_inexact="mask"``)
         scores 0.
     """
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (np.isfinite(temperature) and temperature > 0)
-    ):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    temperature = check_temperature(temperature)
     if not isinstance(source, torch.Tensor) or not source.is_floating_point():
         raise ReplayTypeError("source", f"got {_describe(source)}", expected="a floating-point tensor")
     device = source.device
@@ -186,8 +182,8 @@ def response_logprobs(
     local_target = _slice(target, sp_size, sp_rank, part)  # [b_l, part]
     src = _local_source(source, local_target.shape, indices is not None, lm_head_weight)
 
+    vocab = lm_head_weight.shape[0] if lm_head_weight is not None else src.shape[-1]
     if replay:
-        vocab = lm_head_weight.shape[0] if lm_head_weight is not None else src.shape[-1]
         support, tmask = _replay_metadata(
             input_ids, mask, num_actions, support_ids, loss_mask, width, predictor_of, vocab, device
         )
@@ -199,6 +195,7 @@ def response_logprobs(
         gathered, valid_all = both[..., 0], both[..., 1].detach() != 0
         _check_finite(gathered, valid_all, target, seq, num_actions)
     else:
+        _check_scored_ids(input_ids, predictor_of, vocab, num_actions)
         values = _plain_logprobs(src, local_target, input_ids, lm_head_weight, temperature)
         gathered = _gather(values, sp_group, sp_size, grad_scaler)
     result = _restore(gathered[:, :n], indices, batch, seq, num_actions)
@@ -212,6 +209,8 @@ def response_logprobs(
         )
     rollout = _as_tensor(rollout_logprobs, "rollout_logprobs", device)
     scored = _bool_tensor(loss_mask, "loss_mask", device)
+    if not rollout.is_floating_point():
+        raise ReplayTypeError("rollout_logprobs", f"dtype {rollout.dtype}", expected="a floating-point tensor")
     for field, t in (("rollout_logprobs", rollout), ("loss_mask", scored)):
         if tuple(t.shape) != (batch, num_actions):
             raise ReplayDataError(
@@ -245,10 +244,9 @@ def _int_tensor(x: Any, field: str, device: torch.device) -> torch.Tensor:
 
 
 def _bool_tensor(x: Any, field: str, device: torch.device) -> torch.Tensor:
-    t = _as_tensor(x, field, device)
-    if t.is_complex():
-        raise ReplayTypeError(field, f"got dtype {t.dtype}", expected="bool or numbers")
-    return t != 0
+    """A token-selecting mask as bool: bool, or integers 0/1 (``core.inputs``; before, ``!= 0``
+    read 0.5 and 2 as True)."""
+    return as_mask(_as_tensor(x, field, device), field)
 
 
 def _sp(group) -> tuple[int, int]:
@@ -336,6 +334,7 @@ def _replay_metadata(input_ids, mask, num_actions, support_ids, loss_mask, width
             expected=f"the response loss mask [{batch}, {num_actions}]",
         )
     support = _int_tensor(support_ids, "support_ids", device)
+    check_support_dtype(support.dtype)
     if support.dim() != 3 or tuple(support.shape[:2]) != (batch, seq):
         raise ReplayDataError(
             "support_ids",
@@ -376,9 +375,6 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
     outside = (support >= vocab).any(dim=2) | (support < -1).any(dim=2)
     srt = support.sort(dim=2).values  # a repeated member would count twice in the normaliser
     repeated = ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any(dim=2)
-    # A synthetic EOS is scored over the full vocabulary: an id outside it would index past the
-    # logits (or, from hidden states, score -logsumexp). Supported rows are covered by not_member.
-    bad_token = tmask & ((input_ids < 0) | (input_ids >= vocab))
     # (flags [B, S], field, problem at (b, s), expected), in the order they are reported
     cases = (
         (
@@ -393,12 +389,7 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
             lambda b, s: f"row {support[b, s].tolist()} holds an id twice (it would count twice in the normaliser)",
             "distinct ids in each support row",
         ),
-        (
-            bad_token,
-            "input_ids",
-            lambda b, s: f"loss-bearing token id {int(input_ids[b, s])} is outside the vocabulary of {vocab}",
-            f"token ids in [0, {vocab})",
-        ),
+        _scored_ids_case(input_ids, predictor_of, tmask, vocab),
         (
             no_predictor,
             "loss_mask",
@@ -419,10 +410,7 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
     if not any(found):
         return
     first = seq - num_actions
-    for (flags, field, problem, expected), hit in zip(cases, found):
-        if hit:
-            b, s = (int(v) for v in flags.nonzero()[0])
-            raise ReplayDataError(field, problem(b, s), trajectory=b, token=s - first, expected=expected)
+    _raise_first_case(cases, found, first)
     b = int(extra.nonzero()[0, 0])
     tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
     raise ReplayDataError(
@@ -432,6 +420,40 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
         token=tokens[0],
         expected="support for every loss-bearing token but one synthetic EOS per trajectory",
     )
+
+
+def _scored_ids_case(input_ids, predictor_of, tmask, vocab):
+    """The check case (see :func:`_check_support_rows`) of token ids outside ``[0, vocab)`` at a
+    position some layout position predicts, loss-bearing or not: scoring gathers the logit of
+    every such id (an index error on CPU, a device-side assert on CUDA) and a synthetic EOS
+    scored from hidden states would get ``-logsumexp``."""
+    bad = predictor_of & ((input_ids < 0) | (input_ids >= vocab))
+
+    def problem(b: int, s: int) -> str:
+        what = "loss-bearing token" if tmask is not None and bool(tmask[b, s]) else "token"
+        return f"{what} id {int(input_ids[b, s])} is outside the vocabulary of {vocab}"
+
+    return bad, "input_ids", problem, f"token ids in [0, {vocab}) wherever a position predicts them"
+
+
+def _raise_first_case(cases, found, first: int) -> None:
+    """Raise for the first case whose flag is set (``found``: one bool per case), naming the
+    trajectory and the response token (a prompt or padding column is named in the message: it
+    has no response index)."""
+    for (flags, field, problem, expected), hit in zip(cases, found):
+        if hit:
+            b, s = (int(v) for v in flags.nonzero()[0])
+            text = problem(b, s)
+            if s < first:
+                text += f" (at column {s} of input_ids, before the response)"
+            raise ReplayDataError(field, text, trajectory=b, token=s - first if s >= first else None, expected=expected)
+
+
+def _check_scored_ids(input_ids, predictor_of, vocab: int, num_actions: int) -> None:
+    """The replay-off path's only data check (one host sync): ids inside the vocabulary."""
+    case = _scored_ids_case(input_ids, predictor_of, None, vocab)
+    if bool(case[0].any()):
+        _raise_first_case([case], [True], input_ids.shape[1] - num_actions)
 
 
 # --------------------------------------------------------------------------- scoring
@@ -595,9 +617,8 @@ def _check_finite(values: torch.Tensor, valid: torch.Tensor, target: torch.Tenso
         flat = int(target[pos[0], pos[1]])
         b, s = divmod(flat, seq)
         raise ReplayDataError(
-            "support_ids",
-            "the replayed logprob is not finite: no support member lies in the vocabulary, "
-            "or the logits are not finite",
+            "logits",
+            "the replayed logprob is not finite: the logits are NaN or infinite, or -inf at every member of the row",
             trajectory=b,
             token=s - (seq - num_actions),
             expected="support ids inside the vocabulary and finite logits",

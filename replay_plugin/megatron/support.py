@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from replay_plugin.core import logprobs as core
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.inputs import as_mask, check_support_dtype, check_temperature
 from replay_plugin.core.layout import TokenMetadataLayout
 from replay_plugin.core.metrics import LogprobsWithMetrics, mismatch_metrics
 from replay_plugin.megatron.groups import Groups, groups_of
@@ -270,7 +271,7 @@ def replay_response_logprobs(
         raise ReplayTypeError(
             "layout", f"got {type(layout).__name__}", expected="a replay_plugin.core.layout.TokenMetadataLayout"
         )
-    _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     attention = layout.attention_mask
     device = attention.device
     batch, seq = attention.shape
@@ -323,8 +324,10 @@ def replay_response_logprobs(
             "rollout_logprobs were given without a loss mask: the metrics need the response tokens",
             expected="the response loss mask, [B, S] (DenseSupport.loss_mask) or [B, num_actions]",
         )
-    rollout = _rollout_grid(rollout_logprobs, (batch, seq), device)[:, 1:]
+    rollout_grid = _rollout_grid(rollout_logprobs, (batch, seq), device)
     scored = _loss_grid(loss_mask, (batch, seq), device)
+    _check_rollout_covers(rollout_logprobs, scored)
+    rollout = rollout_grid[:, 1:]
     if support_ids is not None:  # a synthetic EOS (no support) was never sampled: no rollout logprob
         scored = scored & (_as_tensor(support_ids, "support_ids", device) != -1).any(-1)
     scored = scored[:, 1:]
@@ -367,6 +370,7 @@ def _support_logprobs_of_slots(
     device = attention.device
     batch, seq = attention.shape
     support = _grid(support_ids, "support_ids", (batch, seq), device, integer=True, trailing=1)
+    check_support_dtype(support.dtype)  # a uint8 -1 pad would read as id 255
     if support.shape[2] < 1 or (width is not None and support.shape[2] != width):
         raise ReplayDataError(
             "support_ids",
@@ -559,6 +563,23 @@ def _rollout_grid(rollout_logprobs: Any, shape: tuple[int, int], device: torch.d
     return full
 
 
+def _check_rollout_covers(rollout_logprobs: Any, scored: torch.Tensor) -> None:
+    """A ``[B, n]`` rollout array narrower than the grid must cover every loss-bearing column:
+    the columns before it read as NaN, and a metric over a loss-bearing NaN is NaN (before, it
+    was returned so, silently). One host sync, only for a narrower array."""
+    n = int(rollout_logprobs.shape[1])
+    seq = scored.shape[1]
+    if n < seq and bool(scored[:, : seq - n].any()):
+        b, s = (int(v) for v in scored[:, : seq - n].nonzero()[0])
+        raise ReplayDataError(
+            "rollout_logprobs",
+            f"covers the last {n} of {seq} columns, but the token at column {s} is loss-bearing",
+            trajectory=b,
+            token=s,
+            expected=f"[B, {seq}] in the grid, or [B, n] with n covering every loss-bearing column (like loss_mask)",
+        )
+
+
 def _loss_grid(loss_mask: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """The loss mask as bool ``[B, S]`` in the grid (a ``[B, n]`` mask fills the last n columns)."""
     if loss_mask is None:
@@ -569,19 +590,12 @@ def _loss_grid(loss_mask: Any, shape: tuple[int, int], device: torch.device) -> 
             expected="the response loss mask, [B, S] (DenseSupport.loss_mask) or [B, num_actions]",
         )
     m = _as_tensor(loss_mask, "loss_mask", device)
-    if m.is_floating_point() or m.is_complex():
-        raise ReplayTypeError("loss_mask", f"dtype {m.dtype}", expected="bool or 0/1 integers")
     batch, seq = shape
     if m.dim() != 2 or m.shape[0] != batch or not 0 < m.shape[1] <= seq:
         raise ReplayDataError(
             "loss_mask", f"shape {tuple(m.shape)}", expected=f"[{batch}, {seq}] or [{batch}, num_actions <= {seq}]"
         )
-    if m.dtype != torch.bool:
-        bad = (m != 0) & (m != 1)
-        if bool(bad.any()):
-            b, s = (int(v) for v in bad.nonzero()[0])
-            raise ReplayDataError("loss_mask", f"value {int(m[b, s])}", trajectory=b, token=s, expected="0 or 1")
-        m = m.bool()
+    m = as_mask(m, "loss_mask")  # bool, or 0/1 numbers (core.inputs)
     if m.shape[1] == seq:
         return m
     full = torch.zeros(shape, dtype=torch.bool, device=device)
@@ -651,12 +665,3 @@ def _check_sub_sequences(lengths: Any, layout: TokenMetadataLayout) -> None:
                 trajectory=b,
                 expected=f"{layout.sequence_lengths[b]}, the row's valid tokens in attention_mask",
             )
-
-
-def _check_temperature(temperature: Any) -> None:
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or not (math.isfinite(temperature) and temperature > 0)
-    ):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")

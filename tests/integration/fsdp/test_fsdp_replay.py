@@ -629,7 +629,7 @@ def test_errors_name_what_is_missing(toy):
     with pytest.raises(ReplayDataError) as info:
         _call(batch, bad)
     e = info.value
-    assert (e.field, e.trajectory, e.token) == ("support_ids", 2, 0) and "not finite" in str(e)
+    assert (e.field, e.trajectory, e.token) == ("logits", 2, 0) and "not finite" in str(e)
     # remove-padding indices that do not match the attention mask, logits of the wrong layout
     e = error(indices=torch.arange(5))
     assert e.field == "indices"
@@ -637,6 +637,67 @@ def test_errors_name_what_is_missing(toy):
     assert e.field == "source" and "remove-padding" in str(e)
     with pytest.raises(ValueError, match="temperature"):
         _call(batch, logits.detach(), temperature=0.0)
+
+
+def test_hostile_ids_and_masks_get_typed_errors(toy):
+    """Issue 32 item 9. On 452e6a8: a prompt (non-loss) token id >= V with replay on, and any
+    id >= V with replay off, crashed with torch's index error; a prompt-row error named a negative
+    token index; loss masks of 0.5 and 2 were read as True (here: refused, as everywhere)."""
+    import torch
+
+    from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+
+    batch, logits = toy
+    ids = batch["input_ids"].clone()
+    prompt_col = S - A - 2  # a valid prompt token of row 1 (prompt length 5), not loss-bearing
+    ids[1, prompt_col] = 50
+    for replay in (True, False):
+        kw = {} if replay else {"replay": False, "support_ids": None, "loss_mask": None}
+        with pytest.raises(ReplayDataError) as info:
+            from replay_plugin.fsdp import response_logprobs
+
+            response_logprobs(
+                logits.detach(),
+                ids,
+                batch["attention_mask"],
+                A,
+                temperature=TEMPERATURE,
+                **{"support_ids": batch["support"], "loss_mask": batch["loss_mask"], **kw},
+            )
+        e = info.value
+        assert (e.field, e.trajectory, e.token) == ("input_ids", 1, None), replay
+        assert f"token id 50 is outside the vocabulary of 50 (at column {prompt_col} of input_ids" in str(e)
+    # a response token id >= V with replay off names its response index
+    ids = batch["input_ids"].clone()
+    ids[0, S - A + 3] = 77
+    with pytest.raises(ReplayDataError) as info:
+        _call({**batch, "input_ids": ids}, logits.detach(), replay=False, support_ids=None, loss_mask=None)
+    assert (info.value.field, info.value.trajectory, info.value.token) == ("input_ids", 0, 3)
+    # a bad support row in the prompt: no negative token index
+    support = batch["support"].clone()
+    support[2, 3, 0] = 10_000
+    with pytest.raises(ReplayDataError) as info:
+        _call(batch, logits.detach(), support_ids=support)
+    assert (info.value.field, info.value.trajectory, info.value.token) == ("support_ids", 2, None)
+    assert "at column 3 of input_ids, before the response" in str(info.value)
+    # masks: one rule (bool, or 0/1 numbers)
+    lm = batch["loss_mask"]
+    want = _call(batch, logits.detach())
+    assert torch.equal(_call(batch, logits.detach(), loss_mask=lm.float()), want)
+    for value, text in ((0.5, "holds 0.5"), (2.0, "holds 2")):
+        bad = lm.float()
+        bad[0, 1] = value
+        with pytest.raises(ReplayDataError, match=text) as info:
+            _call(batch, logits.detach(), loss_mask=bad)
+        assert (info.value.field, info.value.trajectory, info.value.token) == ("loss_mask", 0, 1)
+    am = batch["attention_mask"].clone()
+    am[3, 0] = 2
+    with pytest.raises(ReplayDataError, match="holds 2") as info:
+        _call({**batch, "attention_mask": am}, logits.detach())
+    assert info.value.field == "attention_mask"
+    # unsigned support ids: the -1 padding is gone
+    with pytest.raises(ReplayTypeError, match="cannot hold the padding id -1"):
+        _call(batch, logits.detach(), support_ids=batch["support"].to(torch.uint8))
 
 
 def test_package_import_is_lazy():

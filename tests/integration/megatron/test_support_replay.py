@@ -607,7 +607,7 @@ def test_context_parallel_ranks_agree_before_raising(fused):
     ranks = harness.run_ranks(scenario_cp_nan, 2, timeout=240, fused=fused)
     errors = [r["error"] for r in ranks]
     assert all(e is not None for e in errors), errors
-    assert all(e["field"] == "support_ids" and "not finite" in e["message"] for e in errors)
+    assert all(e["field"] == "logits" and "not finite" in e["message"] for e in errors)
     assert (errors[0]["trajectory"], errors[0]["token"]) == (errors[1]["trajectory"], errors[1]["token"])
     assert "found by another rank: ranks (1,)" in errors[0]["message"]
     assert "another rank" not in errors[1]["message"]
@@ -899,7 +899,10 @@ def scenario_metrics() -> dict:
             "rollout_corr/chi2_token": float(np.mean(w**2) - 1),
             "rollout_corr/rollout_is_mean": float(np.mean(c)),
             "rollout_corr/rollout_is_eff_sample_size": float(c.sum() ** 2 / (len(c) * (c**2).sum())),
-            "rollout_corr/log_ppl_abs_diff": float(np.mean([abs(q[b][m[b]].mean() - t[b][m[b]].mean()) for b in rows])),
+            # over every row, as verl's (an empty row counts 0; here every row has scored tokens)
+            "rollout_corr/log_ppl_abs_diff": float(
+                np.mean([abs(q[b][m[b]].mean() - t[b][m[b]].mean()) if b in rows else 0.0 for b in range(B)])
+            ),
             "training/rollout_probs_diff_mean": float(np.mean(np.abs(pt - pq))),
             "training/rollout_probs_diff_max": float(np.max(np.abs(pt - pq))),
             "training/rollout_actor_probs_pearson_corr": float(np.corrcoef(pt, pq)[0, 1]),
@@ -968,6 +971,11 @@ def scenario_refusals() -> dict:
     negative_row[1, S - 2] = -5  # not "no support" (all -1): bad data, in trajectory 1 with its EOS
     first_token = loss.clone()
     first_token[0, 0] = True
+    two = loss.long()
+    two[1, S - 3] = 2
+    half = loss.double()
+    half[1, S - 3] = 0.5
+    rollout = torch.zeros(B, S, dtype=torch.float32)
     return {
         "ok": replay_response_logprobs(logits, ids, layout, support_ids=support, loss_mask=loss, width=K).shape[1]
         == S - 1,
@@ -983,6 +991,13 @@ def scenario_refusals() -> dict:
         "sequence_first": refusal(output=logits.transpose(0, 1).contiguous()),
         "cp_layout": refusal(layout=TokenMetadataLayout.build(attention, packed=True, align=4, cp_size=2, cp_rank=0)),
         "num_actions": refusal(num_actions=S),
+        # issue 32: silent on 452e6a8 (255 read as a member; 2 and 0.5 read as True; NaN metrics)
+        "uint8_support": refusal(support_ids=support.astype(np.uint8)),
+        "mask_2": refusal(loss_mask=two),
+        "mask_half": refusal(loss_mask=half),
+        "narrow_rollout": refusal(rollout_logprobs=rollout[:, -2:]),
+        "wide_enough_rollout": refusal(rollout_logprobs=rollout[:, 1:]),
+        "temperature": refusal(temperature=np.float32(0.0)),
     }
 
 
@@ -1005,6 +1020,17 @@ def test_refusals():
     assert r["sequence_first"]["field"] == "logits" and "sequence-first" in r["sequence_first"]["message"]
     assert r["cp_layout"]["field"] == "layout"
     assert r["num_actions"]["field"] == "num_actions"
+    u = r["uint8_support"]
+    assert (u["type"], u["field"]) == ("ReplayTypeError", "support_ids") and "cannot hold the padding id -1" in u[
+        "message"
+    ]
+    for key, text in (("mask_2", "holds 2"), ("mask_half", "holds 0.5")):
+        m = r[key]
+        assert (m["field"], m["trajectory"], m["token"]) == ("loss_mask", 1, S - 3) and text in m["message"], m
+    n = r["narrow_rollout"]
+    assert n["field"] == "rollout_logprobs" and "covers the last 2 of" in n["message"], n
+    assert r["wide_enough_rollout"] is None  # column 0 is never loss-bearing: [B, S - 1] covers the mask
+    assert (r["temperature"]["field"], r["temperature"]["type"]) == ("temperature", "ReplayDataError")
 
 
 def test_package_import_stays_light():

@@ -275,8 +275,14 @@ def test_build_rejects_bad_masks() -> None:
     with pytest.raises(ReplayDataError) as info:
         TokenMetadataLayout.build(torch.tensor([[1, 2]]), packed=True)
     assert (info.value.trajectory, info.value.token) == (0, 1)
+    # one mask rule (core.inputs): 0/1 floats are a mask, 0.5 is not
+    float_mask = TokenMetadataLayout.build(torch.tensor([[0.0, 1.0]]), packed=True)
+    assert float_mask.attention_mask.tolist() == [[False, True]]
+    with pytest.raises(ReplayDataError, match="holds 0.5") as info:
+        TokenMetadataLayout.build(torch.tensor([[1.0, 0.5]]), packed=True)
+    assert (info.value.trajectory, info.value.token) == (0, 1)
     with pytest.raises(ReplayTypeError):
-        TokenMetadataLayout.build(torch.ones(2, 2), packed=True)
+        TokenMetadataLayout.build(torch.ones(2, 2, dtype=torch.complex64), packed=True)
     with pytest.raises(ReplayTypeError):
         TokenMetadataLayout.build([[1, 1]], packed=True)
 

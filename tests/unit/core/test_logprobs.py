@@ -324,7 +324,7 @@ def test_replay_logprobs_reports_non_finite_logits():
     loss = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ReplayDataError) as err:
         replay_logprobs(logits, y, support, loss, traj, 2)
-    assert (err.value.trajectory, err.value.token, err.value.field) == (1, 1, "support_ids")
+    assert (err.value.trajectory, err.value.token, err.value.field) == (1, 1, "logits")
     assert "not finite" in str(err.value)
 
 

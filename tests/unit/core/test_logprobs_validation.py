@@ -251,11 +251,12 @@ def test_loss_mask_argument_is_checked():
         support_logprobs(logits, sampled, support, loss_mask=torch.ones(B, S + 1, dtype=torch.bool))
     assert err.value.field == "loss_mask"
     with pytest.raises(ReplayTypeError) as terr:
-        support_logprobs_from_hidden(hidden, weight, sampled, support, loss_mask=torch.ones(B, S))
+        support_logprobs_from_hidden(hidden, weight, sampled, support, loss_mask=torch.ones(B, S).numpy())
     assert terr.value.field == "loss_mask"
-    # 0/1 integers are a mask
-    lp, _ = support_logprobs(logits, sampled, support, loss_mask=torch.ones(B, S, dtype=torch.int64))
-    torch.testing.assert_close(lp, support_logprobs(logits, sampled, support)[0])
+    # 0/1 numbers are a mask (core.inputs), integer or float
+    for ones in (torch.ones(B, S, dtype=torch.int64), torch.ones(B, S)):
+        lp, _ = support_logprobs(logits, sampled, support, loss_mask=ones)
+        torch.testing.assert_close(lp, support_logprobs(logits, sampled, support)[0])
 
 
 def test_leading_dimensions_locate_the_row():
@@ -385,15 +386,16 @@ def test_row_checks_match_a_plain_reference_on_random_rows(seed):
         ids = [int(i) for i in row]
         members = [i for i in ids if i >= 0]
         if any(i < -1 for i in ids):
-            return 1
+            return lp_mod._BAD_ID
         if any(i >= v for i in members):
-            return 2
+            return lp_mod._OUT_OF_VOCAB
         if len(set(members)) != len(members):
-            return 3
+            return lp_mod._DUPLICATE
         if members and req and int(y) not in members:
-            return 4
+            return lp_mod._NOT_MEMBER
         return 0
 
     expected = [reference(r, y, q) for r, y, q in zip(sup, sampled, required)]
     assert check.code.tolist() == expected
-    assert expected[1] == 4 and {1, 2, 3, 4, 0} <= set(expected)
+    kinds = {lp_mod._BAD_ID, lp_mod._OUT_OF_VOCAB, lp_mod._DUPLICATE, lp_mod._NOT_MEMBER, 0}
+    assert expected[1] == lp_mod._NOT_MEMBER and kinds <= set(expected)
