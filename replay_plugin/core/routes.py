@@ -33,6 +33,7 @@ __all__ = [
     "split_for_replay",
     "local_replay_data",
     "check_route_sanity",
+    "as_signed_routes",
 ]
 
 #: The compact route dtypes, narrowest first.
@@ -300,6 +301,20 @@ def _trajectory_rows(
             trajectory=i,
             expected=f"at most {valid_count} rows",
         )
+    if a.shape[0] < valid_count - 1:
+        # vLLM routes every token it ran: the prompt and every generated token but the last,
+        # P + T - 1 rows for P + T tokens. Fewer rows would leave valid tokens to the trainer's
+        # own router without anyone saying so (the row-count mismatch of a truncated capture, or
+        # of routes and tokens of different turns).
+        raise ReplayDataError(
+            "routed_experts",
+            f"{a.shape[0]} route rows for {valid_count} valid tokens: tokens {a.shape[0]}..{valid_count - 2} would be "
+            "routed by the trainer's own router",
+            trajectory=i,
+            expected=f"{valid_count - 1} rows (every valid token but the last, as vLLM returns them) or {valid_count}; "
+            "rows without a recorded route (a synthetic EOS's source token, an uncaptured turn) belong in a "
+            "TrajectoryRoutes whose router_padding_mask marks them",
+        )
     if a.dtype not in _ROUTE_MAX:
         a = compact(a, trajectory=i)  # e.g. int64 from a caller: validate and narrow
     elif a.dtype != np.uint8:
@@ -480,6 +495,26 @@ def local_replay_data(routes: ArrayLike, layer_indices: Sequence[int] | ArrayLik
 #: From this many valid tokens on, a layer that routes every one of them to the same experts is
 #: reported (fewer can agree by chance in a small test batch).
 CONSTANT_LAYER_MIN_TOKENS = 16
+#: From this many (token, layer) rows on, a trajectory whose every row is the placeholder route
+#: ``[0, 1, ..., K-1]`` is refused; below, reported. A real router picks that exact ordered tuple
+#: with probability at most ``1 / (E (E - 1))`` per row (``K < E``; 1/6 for ``E = 3``), so 16 rows
+#: of it happen by chance with probability below 1e-12.
+PLACEHOLDER_MIN_ROWS = 16
+
+_UNSIGNED_WIDE = ("torch.uint16", "torch.uint32", "torch.uint64")
+
+
+def as_signed_routes(routes: torch.Tensor) -> torch.Tensor:
+    """``routes`` in a dtype torch can compare: uint16 -> int32, uint32 / uint64 -> int64 (uint8
+    and signed dtypes unchanged). torch 2.13 has no ``>=``, ``max`` or ``nonzero`` for uint16/32/64
+    on CPU (``NotImplementedError: "ge_cpu" not implemented for 'UInt16'``), and the routes
+    contract admits any integer dtype. A uint64 id of 2**63 or more reads as negative afterwards,
+    which the range checks refuse."""
+    import torch
+
+    if str(routes.dtype) not in _UNSIGNED_WIDE:
+        return routes
+    return routes.to(torch.int32 if routes.dtype == torch.uint16 else torch.int64)
 
 
 def check_route_sanity(
@@ -488,44 +523,87 @@ def check_route_sanity(
     *,
     layer_names: Sequence[Any] | None = None,
     field: str = "routes",
+    num_experts: int | None = None,
 ) -> None:
     """Refuse or report recorded routes that are well-formed but look broken, before replay.
 
     Failures users report from RL stacks (verl, SkyRL, vLLM issues): a MoE kernel that returns
-    zeros where it recorded nothing, and capture that repeats one token's routes for a whole
-    batch. Checked on ``routes``' device with one host sync when nothing is found:
+    zeros where it recorded nothing, placeholder rows replayed as if recorded, and capture that
+    repeats one token's routes for a whole batch. Checked on ``routes``' device with one host sync
+    when nothing is found:
 
     - a trajectory whose every valid token has expert 0 in every slot of every layer: refused
       (``ReplayDataError`` naming the trajectory) when top-k >= 2, since a token's K experts are
       distinct; reported (``RouteSanityWarning``) when top-k is 1;
+    - a trajectory whose every valid token has the placeholder route ``[0, 1, ..., K-1]`` (what
+      :func:`pad_batch` writes where no route exists) in every layer, top-k >= 2: refused from
+      :data:`PLACEHOLDER_MIN_ROWS` (token, layer) rows on, reported below. These are rows without
+      a recorded route: mark them in the router padding mask so the model routes them itself;
     - a layer in which every valid token of the batch (at least
       :data:`CONSTANT_LAYER_MIN_TOKENS` of them) has the same set of experts: reported
       (``RouteSanityWarning`` naming the layer and the experts); a collapsed router does this too.
 
+    With ``num_experts`` given and top-k >= ``num_experts``, every token necessarily routes to
+    every expert: the placeholder and constant-layer checks are skipped.
+
     Args:
         routes: ``[B, S, L, K]`` (or ``[T, L, K]``: one trajectory) integer expert ids, any
-            compact dtype.
-        valid: ``[B, S]`` (``[T]``) bool, True = the row carries a recorded route (padding and
-            placeholder rows are not checked); None = every row.
+            integer dtype.
+        valid: ``[B, S]`` (``[T]``) **bool**, True = the row carries a recorded route (padding and
+            placeholder rows are not checked); None = every row. An integer mask is refused: 0/1
+            masks come in both polarities (an attention mask is 1 where a router padding mask,
+            the negation of this, is 0).
         layer_names: per layer of ``routes``, how messages name it (default: its index).
         field: the argument name used in messages.
+        num_experts: the model's number of routed experts, when known.
+
+    Raises:
+        ReplayTypeError: ``routes`` or ``valid`` not a tensor, ``routes`` not integer, ``valid``
+            not bool.
+        ReplayDataError: shapes that disagree; the refusals above.
     """
     import torch
 
+    if not isinstance(routes, torch.Tensor):
+        raise ReplayTypeError(field, f"got {type(routes).__name__}", expected="a torch tensor [B, S, L, K]")
+    if routes.dtype == torch.bool or routes.is_floating_point() or routes.is_complex():
+        raise ReplayTypeError(field, f"dtype {routes.dtype}", expected="integer expert ids")
+    if routes.dim() not in (3, 4):
+        raise ReplayDataError(field, f"shape {tuple(routes.shape)}", expected="[B, S, L, K] or [T, L, K]")
     one = routes.dim() == 3
-    r = routes.unsqueeze(0) if one else routes  # [B, S, L, K]
+    r = as_signed_routes(routes.unsqueeze(0) if one else routes)  # [B, S, L, K]
     b, s, layers, k = r.shape
+    if valid is not None:
+        if not isinstance(valid, torch.Tensor):
+            raise ReplayTypeError("valid", f"got {type(valid).__name__}", expected="a bool tensor or None")
+        if valid.dtype != torch.bool:
+            raise ReplayTypeError(
+                "valid",
+                f"dtype {valid.dtype}",
+                expected="bool, True = the row carries a recorded route (from a router padding mask: ~mask; "
+                "from an attention mask: mask.bool())",
+            )
+        if valid.numel() != b * s:
+            raise ReplayDataError(
+                "valid", f"shape {tuple(valid.shape)}", expected=f"{list(r.shape[:2]) if not one else [s]}"
+            )
     if r.numel() == 0:
         return
     v = torch.ones(b, s, dtype=torch.bool, device=r.device) if valid is None else valid.reshape(b, s).to(r.device)
+    all_experts = num_experts is not None and k >= num_experts
     zero_rows = (r == 0).flatten(2).all(-1)  # [B, S]
     all_zero = (zero_rows | ~v).all(1) & v.any(1)  # [B]
+    placeholder = torch.arange(k, dtype=r.dtype, device=r.device)
+    placeholder_rows = (r == placeholder).flatten(2).all(-1)  # [B, S]
+    all_placeholder = (placeholder_rows | ~v).all(1) & v.any(1) & ~all_zero  # [B] (K = 1: all-zero's case)
+    if all_experts or k < 2:
+        all_placeholder = torch.zeros_like(all_placeholder)
     flat = r.sort(dim=-1).values.reshape(b * s, layers, k)
     vflat = v.reshape(-1)
     first = flat[vflat.to(torch.uint8).argmax()]  # [L, K]: the first valid row (any row if none)
     differs = ((flat != first).any(-1) & vflat[:, None]).any(0)  # [L]
-    constant = ~differs & (vflat.sum() >= CONSTANT_LAYER_MIN_TOKENS)
-    found = torch.cat([all_zero, constant])
+    constant = ~differs & (vflat.sum() >= CONSTANT_LAYER_MIN_TOKENS) & (not all_experts)
+    found = torch.cat([all_zero, all_placeholder, constant])
     if not bool(found.any()):
         return
     names = list(layer_names) if layer_names is not None else list(range(layers))
@@ -540,6 +618,22 @@ def check_route_sanity(
                 problem,
                 trajectory=None if one else traj,
                 expected=f"{k} distinct experts per token and layer, as the engine's router chose them",
+            )
+        where = "" if one else f"trajectory {traj}: "
+        warnings.warn(f"replay_plugin: {field}: {where}{problem}", RouteSanityWarning, stacklevel=2)
+    for traj in all_placeholder.nonzero().flatten().tolist():
+        rows = int(v[traj].sum()) * layers
+        problem = (
+            f"every recorded route of the trajectory is the placeholder {placeholder.tolist()} ({int(v[traj].sum())} "
+            f"tokens x {layers} layers), the route padding_rows/pad_batch write where no route exists"
+        )
+        if rows >= PLACEHOLDER_MIN_ROWS:
+            raise ReplayDataError(
+                field,
+                problem,
+                trajectory=None if one else traj,
+                expected="the engine's routes, or True in the router padding mask on rows without a route (the model "
+                "then routes them itself)",
             )
         where = "" if one else f"trajectory {traj}: "
         warnings.warn(f"replay_plugin: {field}: {where}{problem}", RouteSanityWarning, stacklevel=2)

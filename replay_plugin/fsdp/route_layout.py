@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..core.errors import ReplayDataError, ReplayTypeError
-from ..core.routes import check_route_sanity
+from ..core.routes import as_signed_routes, check_route_sanity
 from .moe_layers import MoeModel
 
 __all__ = ["check_routes", "device_of", "to_model_layout"]
@@ -61,12 +61,14 @@ def check_routes(routes: Any, mask: Any, scan: MoeModel) -> tuple[torch.Tensor, 
                 expected=f"bool {list(r.shape[:-2])} (True = no recorded route: the model routes the token itself)",
             )
         m = m.to(device=r.device)
-    # in the compact dtype (no int64 copy); one reduction on the fast path
+    # in the compact dtype (no int64 copy); one reduction on the fast path. uint16/32/64 (no
+    # comparison kernels in torch on CPU) are widened to a signed dtype first.
+    r = as_signed_routes(r)
     moe = r
     if len(scan.moe_layers) != r.shape[-2]:
         moe = r.index_select(r.dim() - 2, torch.tensor(scan.moe_layers, device=r.device))  # [*tokens, L_moe, K]
     if moe.dim() in (3, 4):  # [T, L, K] or [B, S, L, K]: trajectories the sanity check can name
-        check_route_sanity(moe, None if m is None else ~m, layer_names=scan.moe_layers)
+        check_route_sanity(moe, None if m is None else ~m, layer_names=scan.moe_layers, num_experts=scan.num_experts)
     bad = (moe >= scan.num_experts).any(-1)
     if moe.dtype.is_signed:
         bad |= (moe < 0).any(-1)

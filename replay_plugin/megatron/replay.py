@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
-from replay_plugin.core.routes import check_route_sanity, select_layers, split_for_replay
+from replay_plugin.core.routes import as_signed_routes, check_route_sanity, select_layers, split_for_replay
 from replay_plugin.megatron import router_replay_scope
 from replay_plugin.megatron.groups import groups_of
 
@@ -309,7 +309,9 @@ def _check_routes(routes: Any, batch_shape: tuple[int, int], state: _ModelState)
 
     t = _as_tensor(routes, "routes")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise ReplayTypeError("routes", f"dtype {t.dtype}", expected="integer expert ids (uint8, int16 or int32)")
+        raise ReplayTypeError(
+            "routes", f"dtype {t.dtype}", expected="integer expert ids (compact: uint8, int16 or int32)"
+        )
     if t.dim() != 4:
         raise ReplayDataError("routes", f"shape {tuple(t.shape)}", expected="[batch, seq, layers, topk]")
     if tuple(t.shape[:2]) != batch_shape:
@@ -602,7 +604,8 @@ def _local_replay_data(
     selected: torch.Tensor = select_layers(routes, local)  # compact [B, S, L_local, K]
     selected = selected.to(device, non_blocking=True)
     recorded = layout.attention_mask & ~mask  # [B, S]: rows that carry a route
-    check_route_sanity(selected, recorded, layer_names=state.layer_numbers)
+    selected = as_signed_routes(selected)  # uint16/32/64: torch has no comparisons for them on CPU
+    check_route_sanity(selected, recorded, layer_names=state.layer_numbers, num_experts=state.num_experts)
     _check_expert_ids(selected, recorded, state)
     topk = selected.shape[-1]
     dummy = torch.arange(topk, dtype=selected.dtype, device=device)

@@ -566,6 +566,53 @@ def test_broken_routes_are_refused_or_reported_by_layer_and_trajectory():
     ]
 
 
+def test_every_integer_route_dtype_placeholder_trajectories_and_top_k_equal_to_experts():
+    """Issue 32 items 3 and 11. On 452e6a8: uint16/32/64 routes crashed check_routes with
+    NotImplementedError (torch has no >= for them on CPU) although any integer dtype is the
+    contract; a trajectory of placeholder routes [0, 1] among real ones was replayed as recorded;
+    a model whose top-k equals its expert count warned on every layer."""
+    import warnings
+
+    import torch
+
+    from replay_plugin.core.errors import ReplayDataError, RouteSanityWarning
+    from replay_plugin.fsdp import record_routes, replay_routes
+
+    model = H.build("qwen3_moe")
+    L = model.config.num_hidden_layers
+    ids = _ids(shape=(2, 8))
+    routes = random_routes((2, 8), L, seed=9)
+    with torch.no_grad(), replay_routes(model, routes):
+        want = model(input_ids=ids, use_cache=False).logits
+    for dtype in (torch.uint16, torch.uint32, torch.uint64, torch.int64):
+        with torch.no_grad(), replay_routes(model, routes.to(dtype)):
+            got = model(input_ids=ids, use_cache=False).logits
+        assert torch.equal(got, want), dtype
+    big = routes.to(torch.uint32)
+    big[0, 3, 0, 0] = 70_000
+    with pytest.raises(ReplayDataError, match="expert id out of range") as info:
+        replay_routes(model, big)
+    assert (info.value.trajectory, info.value.token) == (0, 3)
+    placeholder = routes.clone()
+    placeholder[1] = torch.arange(H.TOP_K, dtype=torch.uint8)
+    with pytest.raises(ReplayDataError, match=r"placeholder \[0, 1\]") as info:
+        replay_routes(model, placeholder)
+    assert info.value.trajectory == 1
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[1] = True  # marked as rows without a route: routed by the model itself, no refusal
+    replay_routes(model, placeholder, mask)
+
+    every = H.build("qwen3_moe", num_experts_per_tok=H.NUM_EXPERTS)  # top-k = experts
+    with torch.no_grad(), record_routes(every) as rec:
+        every(input_ids=_ids(shape=(2, 12)), use_cache=False)
+    own = rec.routes
+    assert own.shape[-1] == H.NUM_EXPERTS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RouteSanityWarning)
+        with torch.no_grad(), replay_routes(every, own):
+            every(input_ids=_ids(shape=(2, 12)), use_cache=False)
+
+
 def test_padding_rows_keep_their_own_routing():
     """A left-padded batch whose padding rows hold pad_batch's placeholder route [0, 1]: without
     the router padding mask they are all replayed onto experts 0 and 1; with it they keep the

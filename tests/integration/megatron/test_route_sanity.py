@@ -87,6 +87,30 @@ def scenario_sanity():
         replay_routes(model, good, ~attention, layout)
         clear_routes(model)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RouteSanityWarning)]
+
+    # issue 32: every integer dtype is a route dtype (torch has no >= for uint16/32/64 on CPU:
+    # NotImplementedError on 452e6a8); a placeholder trajectory among real ones is refused
+    def installed(routes):
+        replay = replay_routes(model, routes, ~attention, layout)
+        data = [r.router_replay.target_topk_idx.clone() for _, r in harness.routers(model)]
+        clear_routes(model)
+        del replay
+        return data
+
+    want = installed(good)
+    out["wide_dtypes"] = {}
+    for dtype in (np.uint16, np.uint32, np.uint64, np.int64):
+        try:
+            got = installed(good.astype(dtype))
+            out["wide_dtypes"][np.dtype(dtype).name] = all(torch.equal(a, b) for a, b in zip(got, want))
+        except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            out["wide_dtypes"][np.dtype(dtype).name] = f"{type(exc).__name__}: {exc}"
+    too_big = good.astype(np.uint32)
+    too_big[0, 3, 0, 0] = 70_000
+    out["wide_out_of_range"] = _err(lambda: replay_routes(model, too_big, ~attention, layout))
+    placeholder = good.copy()
+    placeholder[1] = np.arange(K, dtype=good.dtype)
+    out["placeholder"] = _err(lambda: replay_routes(model, placeholder, ~attention, layout))
     return out
 
 
@@ -106,6 +130,11 @@ def test_broken_routes_are_refused_or_reported(worker):
         "replay_plugin: routes: layer 2 routes all 16 valid tokens of the batch to experts [1, 3]: recorded routes "
         "repeated for a whole batch, or a collapsed router"
     ]
+    assert out["wide_dtypes"] == {"uint16": True, "uint32": True, "uint64": True, "int64": True}
+    big = out["wide_out_of_range"]
+    assert (big["trajectory"], big["token"]) == (0, 3) and "expert id 70000" in big["message"]
+    p = out["placeholder"]
+    assert (p["field"], p["trajectory"]) == ("routes", 1) and "placeholder [0, 1]" in p["message"]
 
 
 def scenario_padding(fallback_patch: bool):
