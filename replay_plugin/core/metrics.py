@@ -13,7 +13,8 @@ Notation (per call): ``t`` / ``q`` the trainer's / rollout's logprob of a token,
 response mask, ``N = sum(m)`` the scored tokens, ``r = t - q`` the log importance ratio
 ``log(pi_train / pi_rollout)``, ``w = exp(clamp(r, -20, 20))`` the importance ratio (verl's
 ``SAFETY_BOUND``), ``[lo, hi] = is_threshold``; sums and max run over the scored tokens. A
-*sequence* is a row ``b`` of the ``[B, T]`` inputs with ``n_b > 0`` scored tokens.
+*sequence* is a row ``b`` of the ``[B, T]`` inputs, ``n_b`` its scored tokens; sequence means run
+over all ``B`` rows, as verl's do (a row with ``n_b = 0`` adds 0 to the sum and 1 to the count).
 
 ================================================  =============================================
 key (unit)                                        value
@@ -22,16 +23,17 @@ key (unit)                                        value
                                                   KL(rollout || trainer)
 ``rollout_corr/k3_kl`` (nats)                     ``sum(exp(r) - 1 - r) / N``: k3 estimate of it
 ``rollout_corr/chi2_token``                       ``sum(w**2) / N - 1``
-``rollout_corr/chi2_seq``                         mean over sequences of
+``rollout_corr/chi2_seq``                         mean over the B rows of
                                                   ``exp(2 clamp(sum_t r, -20, 20)) - 1``
 ``rollout_corr/rollout_is_mean``                  ``sum(min(w, hi)) / N`` (truncated weights)
 ``rollout_corr/rollout_is_eff_sample_size``       ``(sum c)**2 / (N sum c**2)``, ``c = min(w, hi)``;
                                                   in (0, 1], 1 = all weights equal
 ``rollout_corr/rollout_is_ratio_fraction_high``   share of scored tokens with ``w > hi``
 ``rollout_corr/rollout_is_ratio_fraction_low``    share of scored tokens with ``w < lo``
-``rollout_corr/log_ppl_diff`` (nats)              mean over sequences of ``mean_t q - mean_t t``
-                                                  (log of trainer / rollout perplexity)
-``rollout_corr/log_ppl_abs_diff`` (nats)          mean over sequences of ``|mean_t q - mean_t t|``
+``rollout_corr/log_ppl_diff`` (nats)              mean over the B rows of ``mean_t q - mean_t t``
+                                                  (log of trainer / rollout perplexity; 0 for a
+                                                  row without scored tokens)
+``rollout_corr/log_ppl_abs_diff`` (nats)          mean over the B rows of ``|mean_t q - mean_t t|``
 ``rollout_corr/ratio_mean``                       ``sum(w) / N``, not truncated: the trainer's
                                                   probability mass on what the rollout could
                                                   sample (plugin; verl has no key)
@@ -51,10 +53,16 @@ key (unit)                                        value
 
 Every value is a 0-d tensor on the inputs' device, float32 (float64 when an input is float64),
 dimensionless unless marked; shares are in [0, 1]. ``is_threshold`` defaults to ``(0.5, 2.0)``,
-verl's default ``rollout_is_threshold`` 2.0 and its lower bound ``1 / 2.0``. A figure without
-data is NaN, never an exception: every key when no token is scored (``N = 0``), the standard
-deviation when ``N < 2``, the correlation when either side's probabilities are constant (0/0,
-as ``torch.corrcoef`` and verl give), the route keys when no scored token is routed.
+verl's default ``rollout_is_threshold`` 2.0 and its lower bound ``1 / 2.0``; verl's own spellings
+are accepted too (one number ``hi`` for ``(1 / hi, hi)``, the strings ``"2.0"`` and ``"0.5_2.0"``).
+A figure without data is NaN, never an exception: every key when no token is scored (``N = 0``),
+the standard deviation when ``N < 2``, the correlation when either side's probabilities are
+constant (0/0, as ``torch.corrcoef`` and verl give), the route keys when no scored token is
+routed. A NaN logprob on a scored token, on either side, makes every logprob key NaN.
+
+Masks (``response_mask``, ``route_mask``) are bool, or integers that are all 0 or 1 (1 = the token
+counts): the rule of every trainer-side entry (``replay_plugin.core.inputs``). Bool masks cost no
+host synchronisation; an integer mask costs one, for checking its values.
 
 Where this leaves verl, and why:
 
@@ -62,9 +70,15 @@ Where this leaves verl, and why:
   ``chi2_*`` as means of ``expm1(2 ...)``: the same values without the cancellation of
   ``exp(r) - 1`` in float32, which leaves verl's formulas rounding error at the ``|r| ~ 1e-6``
   a float32 trainer with both replays reaches (k3 ~ 1e-12; float32's step at 1 is 1.2e-7).
-* Sequence means (``chi2_seq``, ``log_ppl_*``) average over the rows with a scored token; verl
-  averages over every row, an empty one counting as 0. Means divide by ``N`` exactly (verl's
-  ``masked_mean`` adds 1e-8 to the denominator). verl raises on an empty mask; here it is NaN.
+* Sequence means (``chi2_seq``, ``log_ppl_*``) average over every row of the block, an empty one
+  counting as 0, as verl does: a block padded with empty rows (e.g. for balancing) lowers them.
+  Means divide by ``N`` exactly (verl's ``masked_mean`` adds 1e-8 to the denominator). verl
+  raises on an empty mask; here it is NaN.
+* Precision: every figure is computed in float32 at least (float64 when an input is float64);
+  verl computes in the input dtype. On bfloat16 logprobs most keys therefore differ from verl's
+  (10 to 12 of the 14 shared ones, measured on 22 random batches); on float32 and float64 inputs
+  they agree to rounding. To compare with verl on a bf16 trainer, pass both sides as
+  ``.float()`` to verl too.
 * ``lo`` is a parameter (verl's token-level TIS fixes ``lo = 1 / hi``); as in verl it only sets
   ``rollout_is_ratio_fraction_low``, the weights are truncated at ``hi`` alone.
 * verl computes its figures once per batch, with an ``.item()`` each; a call here covers one
@@ -87,9 +101,11 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
+from replay_plugin.core.inputs import as_mask
 
 #: verl's ``SAFETY_BOUND``: log ratios (and their per-sequence sums) are clamped to +-20 before
 #: exponentiating in the importance-ratio and chi-squared figures.
@@ -142,7 +158,7 @@ def mismatch_metrics(
     rollout_routes: torch.Tensor | None = None,
     route_mask: torch.Tensor | None = None,
     route_layers: Sequence[Any] | None = None,
-    is_threshold: tuple[float, float] = DEFAULT_IS_THRESHOLD,
+    is_threshold: tuple[float, float] | float | str = DEFAULT_IS_THRESHOLD,
     prefix: str = "",
 ) -> dict[str, torch.Tensor]:
     """Train-inference mismatch of one batch: verl-named 0-d tensors, no host synchronisation.
@@ -155,20 +171,21 @@ def mismatch_metrics(
             logprobs and the response mask of a ``[B, S]`` grid as ``x[:, 1:]`` / ``x[:, -A:]``).
             May require grad (the metrics are computed under ``torch.no_grad``).
         rollout_logprobs: ``[B, T]`` float: the engine's logprob of the same tokens, same grid.
-        response_mask: ``[B, T]`` **bool**, True at the scored tokens. Values elsewhere in the
-            logprobs are never read (padding may hold 0, -inf or NaN).
+        response_mask: ``[B, T]`` bool (or 0/1 integers), True at the scored tokens. Values
+            elsewhere in the logprobs are never read (padding may hold 0, -inf or NaN).
         trainer_routes, rollout_routes: ``[B, T, L, K]`` integer expert ids (any integer dtype,
             e.g. the compact uint8 routes of :func:`replay_plugin.core.routes.pad_batch`), both
             or neither: the top-k experts each layer chose for the token whose output scored
             position ``t`` (in a ``[B, S - 1]`` next-token grid, the routes of token ``s``,
             i.e. ``routes[:, :-1]`` of a ``[B, S, L, K]`` batch).
-        route_mask: ``[B, T]`` bool, True where both sides have a real route (default: every
-            scored token). Note the polarity: a router padding mask (True = no route) is its
+        route_mask: ``[B, T]`` bool (or 0/1 integers), True where both sides have a real route
+            (default: every scored token). Note the polarity: a router padding mask (True = no route) is its
             negation, ``~router_padding_mask[:, :-1]``.
         route_layers: ``L`` labels for the per-layer keys (default ``0 .. L-1``), e.g. the
             global layer indices of a pipeline stage's layers.
         is_threshold: ``(lo, hi)``, ``0 < lo <= hi``: the importance-ratio band of the
-            fraction and effective-sample-size keys.
+            fraction and effective-sample-size keys; or verl's forms ``hi`` (a number, or a
+            string ``"hi"``: ``lo = 1 / hi``) and ``"lo_hi"``.
         prefix: prepended to every key (e.g. ``"actor/"``).
 
     Returns:
@@ -176,21 +193,20 @@ def mismatch_metrics(
         and one :data:`ROUTE_LAYER_KEY` per layer; see the module docstring for each formula.
 
     Raises:
-        ReplayTypeError: a non-tensor, non-float logprobs, a mask that is not bool (an integer
-            mask is refused rather than guessed: 0/1 masks come in both polarities), routes of
-            a non-integer dtype.
+        ReplayTypeError: a non-tensor, non-float logprobs, a float mask, routes of a non-integer
+            dtype, an ``is_threshold`` of bools or other objects.
         ReplayDataError: shapes that differ or are not ``[B, T]`` / ``[B, T, L, K]``, inputs
             on different devices, routes given on one side only (or ``route_mask`` /
             ``route_layers`` without routes), ``route_layers`` of the wrong length or with
-            repeats, a bad ``is_threshold``.
+            repeats, an integer mask value other than 0/1, a bad ``is_threshold``.
     """
     lo, hi = _check_threshold(is_threshold)
     _check_float(trainer_logprobs, "trainer_logprobs")
     shape = tuple(trainer_logprobs.shape)
     device = trainer_logprobs.device
     _check_float(rollout_logprobs, "rollout_logprobs", shape, device)
-    _check_mask(response_mask, "response_mask", shape, device)
-    labels = _check_routes(trainer_routes, rollout_routes, route_mask, route_layers, shape, device)
+    response_mask = _check_mask(response_mask, "response_mask", shape, device)
+    labels, route_mask = _check_routes(trainer_routes, rollout_routes, route_mask, route_layers, shape, device)
     if not isinstance(prefix, str):
         raise ReplayTypeError("prefix", f"{type(prefix).__name__}", expected="a str")
     dtype = torch.promote_types(torch.promote_types(trainer_logprobs.dtype, rollout_logprobs.dtype), torch.float32)
@@ -243,13 +259,13 @@ def _logprob_metrics(t: torch.Tensor, q: torch.Tensor, m: torch.Tensor, lo: floa
     sums = rows.sum(-1)  # [13]
     n = sums[0]
     means = sums / n
-    # sequences: rows with at least one scored token; mean_t r per row (0 for an empty row)
+    # sequences: every row of the block, as verl averages them (compute_offpolicy_metrics: a row
+    # without a scored token has sum_t r = 0 and mean_t r = 0, so it adds 0 to each sum and 1 to
+    # the count); mean_t r per row
     n_b, s_b = rows[0], rows[1]
     mean_b = s_b / n_b.clamp(min=1.0)
-    seq = torch.stack(
-        [torch.expm1(2.0 * s_b.clamp(-SAFETY_BOUND, SAFETY_BOUND)), mean_b, mean_b.abs(), (n_b > 0).to(dt)]
-    ).sum(-1)
-    seq_means = seq[:3] / seq[3]
+    seq = torch.stack([torch.expm1(2.0 * s_b.clamp(-SAFETY_BOUND, SAFETY_BOUND)), mean_b, mean_b.abs()]).sum(-1)
+    seq_means = torch.where(n > 0, seq / max(n_b.numel(), 1), nan)
     # maxima of |r| and d (both >= 0 and 0 outside the mask)
     maxima = torch.where(n > 0, terms[9:11].amax((1, 2)), nan) if terms[0].numel() else nan.expand(2)
     # second moments about the means
@@ -262,7 +278,7 @@ def _logprob_metrics(t: torch.Tensor, q: torch.Tensor, m: torch.Tensor, lo: floa
             torch.where(m, (d - md).square(), 0.0),
         ]
     ).sum((1, 2))
-    return {
+    out = {
         "rollout_corr/kl": -means[1],
         "rollout_corr/k3_kl": means[2],
         "rollout_corr/chi2_token": means[3],
@@ -281,6 +297,10 @@ def _logprob_metrics(t: torch.Tensor, q: torch.Tensor, m: torch.Tensor, lo: floa
         "training/rollout_probs_diff_std": torch.where(n > 1, (second[3] / (n - 1)).sqrt(), nan),
         "training/rollout_actor_probs_pearson_corr": (second[0] / (second[1] * second[2]).sqrt()).clamp(-1.0, 1.0),
     }
+    # A NaN logprob on a scored token (either side) makes sum r NaN: every key shows it. Without
+    # this the comparisons behind the fractions read NaN as False and stayed finite.
+    poisoned = torch.isnan(sums[1])
+    return {k: torch.where(poisoned, nan, v) for k, v in out.items()}
 
 
 def _k3(r: torch.Tensor) -> torch.Tensor:
@@ -347,10 +367,37 @@ def _route_metrics(
 
 
 def _check_threshold(is_threshold: Any) -> tuple[float, float]:
-    try:
-        lo, hi = (float(x) for x in is_threshold)
-    except (TypeError, ValueError):
-        raise ReplayDataError("is_threshold", f"{is_threshold!r}", expected="a pair (lo, hi) of numbers") from None
+    """``(lo, hi)`` from a pair of numbers, one number ``hi`` (``lo = 1 / hi``, verl's token-level
+    TIS), or verl's ``rollout_is_threshold`` strings ``"hi"`` and ``"lo_hi"`` (e.g. ``"0.5_2.0"``).
+    Bools, other strings and other objects are refused (a string is not iterated: ``"12"`` is
+    not ``(1, 2)``)."""
+
+    def number(x: Any) -> float:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+            raise ReplayTypeError(
+                "is_threshold",
+                f"{is_threshold!r} holds {type(x).__name__} {x!r}",
+                expected="(lo, hi) numbers, one number hi, or verl's string 'hi' / 'lo_hi' (e.g. '0.5_2.0')",
+            )
+        return float(x)
+
+    if isinstance(is_threshold, str):
+        lo_text, sep, hi_text = is_threshold.strip().partition("_")
+        try:
+            lo, hi = (float(lo_text), float(hi_text)) if sep else (math.nan, float(lo_text))
+        except ValueError:
+            raise ReplayDataError(
+                "is_threshold", f"{is_threshold!r}", expected="verl's string form 'hi' or 'lo_hi', e.g. '0.5_2.0'"
+            ) from None
+        if not sep:
+            lo = 1.0 / hi if hi > 0 else math.nan
+    elif isinstance(is_threshold, (tuple, list)) and len(is_threshold) == 2:
+        lo, hi = (number(x) for x in is_threshold)
+    elif isinstance(is_threshold, (tuple, list)):
+        raise ReplayDataError("is_threshold", f"{is_threshold!r}", expected="a pair (lo, hi)")
+    else:
+        hi = number(is_threshold)
+        lo = 1.0 / hi if hi > 0 else math.nan
     if not (0.0 < lo <= hi < math.inf):
         raise ReplayDataError("is_threshold", f"{is_threshold!r}", expected="0 < lo <= hi, finite")
     return lo, hi
@@ -386,28 +433,25 @@ def _check_float(x: Any, field: str, shape: tuple | None = None, device: torch.d
         _check_place(x, field, shape, device)
 
 
-def _check_mask(x: Any, field: str, shape: tuple, device: torch.device) -> None:
+def _check_mask(x: Any, field: str, shape: tuple, device: torch.device) -> torch.Tensor:
+    """The mask as bool (``core.inputs`` rule: bool, or integers 0/1; an integer mask costs one
+    host sync for that check)."""
     _check_tensor(x, field, "[B, T] bool")
-    if x.dtype != torch.bool:
-        raise ReplayTypeError(
-            field,
-            f"dtype {x.dtype}",
-            expected="bool, True = use the token (0/1 masks come in both polarities, e.g. attention "
-            "masks 1 = valid, padding masks 1 = padding: convert yours explicitly, mask.bool() or ~mask.bool())",
-        )
     if tuple(x.shape) != shape:
         raise ReplayDataError(field, f"shape {tuple(x.shape)}", expected=f"trainer_logprobs' shape {list(shape)}")
     _check_place(x, field, shape, device)
+    return as_mask(x, field)
 
 
 def _check_routes(
     trainer: Any, rollout: Any, mask: Any, layers: Sequence[Any] | None, shape: tuple, device: torch.device
-) -> list[str]:
+) -> tuple[list[str], torch.Tensor | None]:
+    """Route labels and the route mask as bool (None stays None)."""
     if trainer is None and rollout is None:
         for field, value in (("route_mask", mask), ("route_layers", layers)):
             if value is not None:
                 raise ReplayDataError(field, "given without routes", expected="trainer_routes and rollout_routes too")
-        return []
+        return [], None
     for field, value, other in (
         ("trainer_routes", trainer, "rollout_routes"),
         ("rollout_routes", rollout, "trainer_routes"),
@@ -427,11 +471,11 @@ def _check_routes(
             expected=f"rollout_routes' shape {tuple(rollout.shape)} (the same layers and top-k)",
         )
     if mask is not None:
-        _check_mask(mask, "route_mask", shape, device)
+        mask = _check_mask(mask, "route_mask", shape, device)
     num_layers = trainer.shape[2]
     labels = [str(i) for i in range(num_layers)] if layers is None else [str(x) for x in layers]
     if len(labels) != num_layers or len(set(labels)) != num_layers:
         raise ReplayDataError(
             "route_layers", f"{list(layers or [])!r}", expected=f"{num_layers} distinct labels, one per route layer"
         )
-    return labels
+    return labels, mask

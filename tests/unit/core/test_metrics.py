@@ -24,11 +24,17 @@ import readme_blocks
 
 
 def reference(t, q, mask, lo=0.5, hi=2.0, trainer_routes=None, rollout_routes=None, route_mask=None) -> dict:
-    """The definitions of the core.metrics docstring, one sequence at a time, in float64 numpy."""
+    """The definitions of the core.metrics docstring, one sequence at a time, in float64 numpy.
+    Sequence means run over every row, as verl's do: an empty row has sum 0 and mean 0."""
     t, q, mask = np.asarray(t, np.float64), np.asarray(q, np.float64), np.asarray(mask, bool)
     seqs = [(t[b][mask[b]], q[b][mask[b]]) for b in range(t.shape[0]) if mask[b].any()]
+    rows = [(t[b][mask[b]], q[b][mask[b]]) for b in range(t.shape[0])]
     if not seqs:
         return {k: math.nan for k in LOGPROB_KEYS}
+
+    def mean_or_0(x):
+        return np.mean(x) if len(x) else 0.0
+
     tt = np.concatenate([a for a, _ in seqs])
     qq = np.concatenate([b for _, b in seqs])
     r = tt - qq
@@ -41,13 +47,13 @@ def reference(t, q, mask, lo=0.5, hi=2.0, trainer_routes=None, rollout_routes=No
         # float64 keeps ~4 digits of k3 at |r| ~ 1e-6 this way: enough for the tolerances here
         "rollout_corr/k3_kl": np.mean(np.exp(r) - 1.0 - r),
         "rollout_corr/chi2_token": np.mean(w**2) - 1.0,
-        "rollout_corr/chi2_seq": np.mean([np.exp(2.0 * np.clip(np.sum(a - b), -20.0, 20.0)) for a, b in seqs]) - 1.0,
+        "rollout_corr/chi2_seq": np.mean([np.exp(2.0 * np.clip(np.sum(a - b), -20.0, 20.0)) for a, b in rows]) - 1.0,
         "rollout_corr/rollout_is_mean": np.mean(c),
         "rollout_corr/rollout_is_eff_sample_size": np.mean(c) ** 2 / np.mean(c**2),
         "rollout_corr/rollout_is_ratio_fraction_high": np.mean(w > hi),
         "rollout_corr/rollout_is_ratio_fraction_low": np.mean(w < lo),
-        "rollout_corr/log_ppl_diff": np.mean([np.mean(b) - np.mean(a) for a, b in seqs]),
-        "rollout_corr/log_ppl_abs_diff": np.mean([abs(np.mean(b) - np.mean(a)) for a, b in seqs]),
+        "rollout_corr/log_ppl_diff": np.mean([mean_or_0(b) - mean_or_0(a) for a, b in rows]),
+        "rollout_corr/log_ppl_abs_diff": np.mean([abs(mean_or_0(b) - mean_or_0(a)) for a, b in rows]),
         "rollout_corr/ratio_mean": np.mean(w),
         "rollout_corr/log_ratio_abs_mean": np.mean(np.abs(r)),
         "rollout_corr/log_ratio_abs_max": np.max(np.abs(r)),
@@ -327,16 +333,70 @@ def test_autograd_is_left_alone():
 # --------------------------------------------------------------------------- refusals
 
 
-def test_integer_and_float_masks_are_refused_not_read():
+def test_masks_follow_the_one_mask_rule():
+    """The rule of every trainer-side entry (core.inputs): bool, or numbers that are all 0/1
+    (read as bool: the same figures); 2, 0.5 and NaN refused naming the position (on 452e6a8
+    integer masks were refused outright while the trainer entries read 0.5 and 2 as True)."""
     t, q, mask = batch(14, 0.1)
-    for bad in (mask.long(), mask.int(), mask.float(), (~mask).to(torch.uint8)):
-        with pytest.raises(ReplayTypeError, match="response_mask.*dtype") as err:
+    want = as_floats(mismatch_metrics(t, q, mask))
+    for ok in (mask.long(), mask.int(), mask.to(torch.uint8), mask.float(), mask.to(torch.bfloat16)):
+        assert as_floats(mismatch_metrics(t, q, ok)) == pytest.approx(want, nan_ok=True)
+    for value, text in ((2, "holds 2"), (0.5, "holds 0.5"), (float("nan"), "holds nan")):
+        bad = mask.double()
+        bad[3, 1] = value
+        with pytest.raises(ReplayDataError, match=text) as err:
             mismatch_metrics(t, q, bad)
-        assert err.value.field == "response_mask"
+        assert (err.value.field, err.value.trajectory, err.value.token) == ("response_mask", 3, 1)
     trainer, rollout = routes_batch(14, t.shape)
-    with pytest.raises(ReplayTypeError) as err:
-        mismatch_metrics(t, q, mask, trainer_routes=trainer, rollout_routes=rollout, route_mask=mask.long())
+    with pytest.raises(ReplayDataError) as err:
+        mismatch_metrics(t, q, mask, trainer_routes=trainer, rollout_routes=rollout, route_mask=mask.long() * 2)
     assert err.value.field == "route_mask"
+    with pytest.raises(ReplayTypeError) as err:
+        mismatch_metrics(t, q, mask.to(torch.complex64))
+    assert err.value.field == "response_mask"
+
+
+def test_is_threshold_reads_verl_spellings_and_refuses_strings_and_bools():
+    """verl's rollout_is_threshold forms (a number hi, "hi", "lo_hi") give the band they mean;
+    on 452e6a8 the string "12" was iterated to (1.0, 2.0) and (True, 2) read as lo = 1.0."""
+    t, q, mask = batch(15, 0.8)
+
+    def band(th):
+        got = mismatch_metrics(t, q, mask, is_threshold=th)
+        return [float(got[f"rollout_corr/rollout_is_ratio_fraction_{s}"]) for s in ("low", "high")]
+
+    assert band("0.5_2.0") == band((0.5, 2.0)) == band(2.0) == band("2.0") == band(2)
+    assert band("12") == band((1 / 12, 12.0)) != band((1.0, 2.0))
+    assert band(" 0.25_3 ") == band((0.25, 3.0))
+    for bad, error in (
+        ((True, 2), ReplayTypeError),
+        ((0.5, False), ReplayTypeError),
+        (True, ReplayTypeError),
+        (("0.5", "2"), ReplayTypeError),
+        ("abc", ReplayDataError),
+        ("0.5_x", ReplayDataError),
+        ("", ReplayDataError),
+        ("3_2", ReplayDataError),
+        ((0.5, 1.0, 2.0), ReplayDataError),
+        (None, ReplayTypeError),
+    ):
+        with pytest.raises(error) as err:
+            mismatch_metrics(t, q, mask, is_threshold=bad)
+        assert err.value.field == "is_threshold", bad
+
+
+def test_a_nan_on_a_scored_token_shows_in_every_key():
+    """On 452e6a8 the fraction keys stayed finite (NaN > hi is False) while the others were NaN."""
+    t, q, mask = batch(16, 0.3)
+    for side in ("trainer", "rollout"):
+        tt, qq = t.clone(), q.clone()
+        (tt if side == "trainer" else qq)[0, 0] = float("nan")
+        got = as_floats(mismatch_metrics(tt, qq, mask))
+        assert all(math.isnan(v) for v in got.values()), (side, {k: v for k, v in got.items() if not math.isnan(v)})
+    # outside the mask a NaN is never read
+    tt = t.clone()
+    tt[2, 5] = float("nan")  # row 2 is empty
+    assert not any(math.isnan(v) for k, v in as_floats(mismatch_metrics(tt, q, mask)).items() if "std" not in k)
 
 
 @pytest.mark.parametrize(
@@ -391,7 +451,7 @@ def test_integer_and_float_masks_are_refused_not_read():
         ({"route_mask": torch.ones(6, 40, dtype=torch.bool)}, ReplayDataError, "route_mask"),
         ({"is_threshold": (2.0, 0.5)}, ReplayDataError, "is_threshold"),
         ({"is_threshold": (0.0, 2.0)}, ReplayDataError, "is_threshold"),
-        ({"is_threshold": 2.0}, ReplayDataError, "is_threshold"),
+        ({"is_threshold": -2.0}, ReplayDataError, "is_threshold"),
         ({"prefix": 3}, ReplayTypeError, "prefix"),
     ],
 )
