@@ -30,7 +30,9 @@ an existing file (it unlinks first), so the base is never changed. The build fai
 overlay breaks a requirement that held in the base (``pip check`` of both, compared), unless
 the entry's ``unmet`` names the required distribution: a requirement no release on PyPI meets
 (transformers 5.25.0 requires kernels>=0.19.1, which was never published), accepted by name and
-logged; a name in ``unmet`` that nothing lacks fails the build (remove it). One venv per upstream
+logged; a name in ``unmet`` that nothing lacks fails the build (remove it). ``build`` names
+distributions PyPI has only as an sdist that must build against the venv's torch (flash-attn,
+for skyrl's FSDP model wrapper): built with ``--no-build-isolation`` and ``build_env``. One venv per upstream
 version would cost gigabytes and minutes each; an overlay of a pure-Python upstream costs seconds
 and megabytes.
 """
@@ -159,6 +161,29 @@ def unmet_of(name: str, cfg: dict | None = None) -> list[str]:
     return unmet
 
 
+def built_of(name: str, cfg: dict | None = None) -> tuple[list[str], dict[str, str]]:
+    """``(exact pins, environment)`` of the distributions the overlay ``name`` builds from their
+    source distributions (``build`` and ``build_env`` in envs.toml; empty when absent): PyPI holds
+    no wheel of them (flash-attn: an sdist whose setup.py imports torch, so pip's isolated build
+    fails). They are installed after the overlay pins with ``--no-build-isolation --no-deps``
+    (built against the venv's own torch), with ``build_env`` set. SystemExit on a malformed
+    entry."""
+    cfg = cfg or config()
+    entry = cfg[name]
+    pins, env = entry.get("build", []), entry.get("build_env", {})
+    if not isinstance(pins, list) or not all(
+        isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9_.\-]+==\S+", p) for p in pins
+    ):
+        raise SystemExit(f"env {name}: build must be a list of exact pins (name==version), got {pins!r}")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise SystemExit(f"env {name}: build_env must be a table of strings, got {env!r}")
+    if (pins or env) and overlay_of(name, cfg) is None:
+        raise SystemExit(f"env {name}: build applies to overlay environments only")
+    if env and not pins:
+        raise SystemExit(f"env {name}: build_env without build")
+    return pins, env
+
+
 def python_of(name: str) -> str:
     """The Python version of ``name`` (an overlay's is its base's)."""
     cfg = config()
@@ -170,7 +195,17 @@ def env_key(name: str) -> str:
     overlay = overlay_of(name)
     if overlay:
         base, pins, remove = overlay
-        text = "\n".join([env_key(base), *sorted(pins), *(f"-{r}" for r in sorted(remove)), INSTALL_SCHEME])
+        built, build_env = built_of(name)
+        text = "\n".join(
+            [
+                env_key(base),
+                *sorted(pins),
+                *(f"-{r}" for r in sorted(remove)),
+                *(f"+{b}" for b in sorted(built)),
+                *(f"{k}={v}" for k, v in sorted(build_env.items())),
+                INSTALL_SCHEME,
+            ]
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:12]
     cfg = config()[name]
     with open(lock_path(name), "rb") as fh:
@@ -184,10 +219,11 @@ def env_key(name: str) -> str:
     return hashlib.sha256(lock + py.encode() + INSTALL_SCHEME.encode()).hexdigest()[:12]
 
 
-def pip(venv: str, *args: str) -> None:
-    """Run pip in ``venv``; drops the machine's noise about absent local index folders."""
+def pip(venv: str, *args: str, env: dict[str, str] | None = None) -> None:
+    """Run pip in ``venv`` (``env``: variables added to the environment); drops the machine's
+    noise about absent local index folders."""
     cmd = [os.path.join(venv, "bin", "python"), "-m", "pip", "--disable-pip-version-check", *args]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **env} if env else None)
     assert proc.stderr is not None
     for line in proc.stderr:
         if "is ignored: it is neither a file nor a directory" not in line:
@@ -222,7 +258,8 @@ def ensure(name: str) -> str:
             base, pins, remove = overlay
             base_path = ensure(base)
             log(f"building {name} in {path}: {base} + {' '.join(pins)}" + "".join(f" - {r}" for r in remove))
-            build_overlay(base_path, path, pins, remove, unmet_of(name))
+            built, build_env = built_of(name)
+            build_overlay(base_path, path, pins, remove, unmet_of(name), built, build_env)
         else:
             log(f"building {name} in {path} (Python {python_of(name)}, {lock_path(name)})")
             subprocess.run([python_for(python_of(name)), "-m", "venv", path], check=True)
@@ -306,16 +343,37 @@ def _required(line: str) -> str | None:
     return _norm(m.group(1)) if m else None
 
 
-def build_overlay(base: str, path: str, pins: list[str], remove: Sequence[str] = (), unmet: Sequence[str] = ()) -> None:
+def build_overlay(
+    base: str,
+    path: str,
+    pins: list[str],
+    remove: Sequence[str] = (),
+    unmet: Sequence[str] = (),
+    built: Sequence[str] = (),
+    build_env: dict[str, str] | None = None,
+) -> None:
     """The overlay venv at ``path``: ``base`` cloned, the distributions in ``remove`` uninstalled,
-    ``pins`` installed over it (--no-deps). SystemExit when the overlay breaks a requirement
-    ``pip check`` found met in ``base``, except requirements on a distribution in ``unmet``
-    (logged), and when a distribution in ``unmet`` is not lacking."""
+    ``pins`` installed over it (--no-deps), then ``built`` built from source against it
+    (--no-build-isolation, ``build_env`` set; see :func:`built_of`). SystemExit when the overlay
+    breaks a requirement ``pip check`` found met in ``base``, except requirements on a
+    distribution in ``unmet`` (logged), and when a distribution in ``unmet`` is not lacking."""
     clone_venv(base, path)
     if remove:
         pip(path, "uninstall", "-q", "-y", *remove)
     pip(path, "install", "-q", "--no-deps", *pins)
-    names = {_norm(p.partition("==")[0]) for p in pins} | {_norm(r) for r in remove}
+    if built:
+        pip(
+            path,
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-binary",
+            ",".join(_norm(b.partition("==")[0]) for b in built),
+            *built,
+            env=build_env,
+        )
+    names = {_norm(p.partition("==")[0]) for p in [*pins, *built]} | {_norm(r) for r in remove}
     after, before = _pip_check(path, names), _pip_check(base, names)
     broken = sorted(line for key, line in after.items() if key not in before)
     accepted = [line for line in broken if _required(line) in {_norm(u) for u in unmet}]

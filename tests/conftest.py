@@ -85,7 +85,7 @@ def pinned(env: str) -> dict[str, str]:
                 pins[_dist(dist)] = version
     for dist in entry.get("remove", []):
         pins.pop(_dist(dist), None)
-    for pin in entry.get("overlay", []):
+    for pin in [*entry.get("overlay", []), *entry.get("build", [])]:
         dist, _, version = pin.partition("==")
         pins[_dist(dist)] = version
     return pins

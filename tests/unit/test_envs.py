@@ -58,7 +58,7 @@ def _load() -> tuple[dict, dict, dict]:
             assert "base" not in envs[cfg["base"]], f"env {name}: base {cfg['base']} is itself an overlay"
             assert not os.path.exists(os.path.join(ENVS, f"{name}.lock")), f"overlay env {name} has a lock file"
             base = {d: v for d, v in locks[cfg["base"]].items() if d not in map(_name, cfg.get("remove", []))}
-            locks[name] = {**base, **_overlay_pins(cfg["overlay"])}
+            locks[name] = {**base, **_overlay_pins(cfg["overlay"]), **_overlay_pins(cfg.get("build", []))}
     with open(os.path.join(ROOT, "compat_matrix.yaml")) as fh:
         matrix = yaml.safe_load(fh)
     return envs, locks, matrix
@@ -263,6 +263,60 @@ def test_malformed_unmet_entries_are_refused(entry, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
         envs.unmet_of("new", cfg)
     assert envs.unmet_of("ok", cfg) == []
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"base": "py312", "overlay": ["a==1"], "build": "flash-attn==2.8.3"}, "build must be a list of exact pins"),
+        ({"base": "py312", "overlay": ["a==1"], "build": ["flash-attn>=2"]}, "build must be a list of exact pins"),
+        (
+            {"base": "py312", "overlay": ["a==1"], "build": ["b==1"], "build_env": {"X": 1}},
+            "build_env must be a table of strings",
+        ),
+        ({"base": "py312", "overlay": ["a==1"], "build_env": {"X": "1"}}, "build_env without build"),
+        ({"python": "3.12", "build": ["b==1"]}, "build applies to overlay environments only"),
+    ],
+)
+def test_malformed_build_entries_are_refused(entry, message):
+    envs = _envs_module()
+    cfg = {
+        "py312": {"python": "3.12"},
+        "new": entry,
+        "ok": {"base": "py312", "overlay": ["a==1"], "build": ["b==1"], "build_env": {"X": "1"}},
+    }
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        envs.built_of("new", cfg)
+    assert envs.built_of("ok", cfg) == (["b==1"], {"X": "1"})
+    assert envs.built_of("py312", cfg) == ([], {})
+
+
+def test_an_overlay_builds_its_source_distributions_against_its_own_torch(tmp_path, monkeypatch):
+    """``build`` (flash-attn for skyrl): installed after the pins, without build isolation (its
+    setup.py imports the venv's torch), from source, with ``build_env`` set; counted among the
+    overlay's own distributions by the pip check comparison."""
+    envs = _envs_module()
+    calls = []
+    monkeypatch.setattr(envs, "clone_venv", lambda base, path: os.makedirs(path))
+    monkeypatch.setattr(envs, "pip", lambda venv, *args, env=None: calls.append((args, env)))
+    monkeypatch.setattr(envs, "log", lambda msg: None)
+    seen = []
+    monkeypatch.setattr(envs, "_pip_check", lambda venv, names: seen.append(set(names)) or {})
+    envs.build_overlay(
+        "base",
+        str(tmp_path / "o"),
+        ["vllm==0.30.0"],
+        (),
+        (),
+        ["flash_attn==2.8.3"],
+        {"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"},
+    )
+    assert calls[0] == (("install", "-q", "--no-deps", "vllm==0.30.0"), None)
+    args, env = calls[1]
+    assert args[-1] == "flash_attn==2.8.3" and "--no-build-isolation" in args and "--no-deps" in args
+    assert args[args.index("--no-binary") + 1] == "flash-attn"
+    assert env == {"FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"}
+    assert "flash-attn" in seen[0]
 
 
 def test_parts_split_an_environment_without_losing_or_repeating_tests():
