@@ -202,7 +202,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import doctor
 
     with _stdout_to_stderr():  # vLLM's logger prints on stdout while the arguments are parsed
-        report = doctor.report(vllm_args=args.vllm_args, top_k=args.top_k, megatron_config=args.megatron_config)
+        report = doctor.report(
+            vllm_args=args.vllm_args,
+            top_k=args.top_k,
+            megatron_config=args.megatron_config,
+            skyrl_config=args.skyrl_config,
+        )
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -260,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top-k", type=int, metavar="K", help="the rollout's top_k (checks the support width fits)")
     p.add_argument("--megatron-config", metavar="FILE", help="YAML/JSON of the model's TransformerConfig fields")
+    p.add_argument(
+        "--skyrl-config",
+        metavar="CONFIG",
+        help='SkyRL\'s config: its overrides ("generator.inference_engine.enable_return_sample_support_set=true ...") '
+        "or a YAML file",
+    )
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("matrix", help="compare installed upstreams with compat_matrix.yaml")

@@ -1,8 +1,9 @@
 """``replay-plugin doctor``: what stops replay from working here, each finding with its fix.
 
-Installation checks run in the current environment; the vLLM, Megatron and Ray checks look at
-the current environment and, when given, at the engine arguments and model configuration the
-job will use (the framework knowledge lives in ``vllm/doctor.py`` and ``megatron/doctor.py``).
+Installation checks run in the current environment; the vLLM, Megatron, SkyRL and Ray checks look
+at the current environment and, when given, at the engine arguments, model configuration and
+SkyRL config the job will use (the framework knowledge lives in ``vllm/doctor.py``,
+``megatron/doctor.py`` and ``skyrl/doctor.py``).
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ def report(
     vllm_args: Sequence[str] | None = None,
     top_k: int | None = None,
     megatron_config: str | None = None,
+    skyrl_config: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict:
     """Every finding, the installed upstreams and notes; ``ok`` when nothing was found."""
@@ -178,6 +180,10 @@ def report(
         from .megatron.doctor import check as check_megatron
 
         findings += [Finding("megatron", problem, fix) for problem, fix in check_megatron(megatron_config)]
+    if skyrl_config is not None:
+        from .skyrl.doctor import check as check_skyrl
+
+        findings += [Finding("skyrl", problem, fix) for problem, fix in check_skyrl(skyrl_config, env)]
     notes = []
     if settings.disabled(env):
         notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")

@@ -61,7 +61,12 @@ def test_watched_names_equal_upstream_import_names():
 def test_entry_points_declared():
     eps = _pyproject()["project"]["entry-points"]
     assert eps["vllm.general_plugins"] == {"replay_plugin": "replay_plugin.vllm.plugin:register"}
-    assert set(eps["replay_plugin.patches"]) == {"megatron", "vllm", "fsdp"}
+    assert eps["replay_plugin.patches"] == {
+        "megatron": "replay_plugin.megatron.patches",
+        "vllm": "replay_plugin.vllm.patches",
+        "fsdp": "replay_plugin.fsdp.patches",
+        "skyrl": "replay_plugin.skyrl.patches",
+    }
 
 
 def test_generated_files_are_current():

@@ -1,0 +1,241 @@
+"""Patch ``skyrl.sample_support_rows``: SkyRL's ``/skyrl/v1/generate`` returns the plugin's exact rows.
+
+Gap (skyrl 0.4.0, ``inference_servers/vllm_server_actor.py``; SkyRL PRs #1913/#2084, no fix
+upstream): with ``return_sample_support`` the endpoint asks vLLM for ``logprobs=top_k`` and
+``_sample_support_from_flat_logprobs`` builds rows of width ``top_k`` from them. A row cannot
+hold the support when logits tie at the k-th position (vLLM's CPU/PyTorch top-k keeps every
+tie), and when the sampled id is missing from the top-k entries the function *repairs* the row by
+overwriting its weakest member with the sampled id (one warning per batch): the trainer then
+renormalises over a set the sampler never had, and nothing downstream can tell.
+
+With the patch, for a request that asked ``return_sample_support``:
+
+- the request is opted into the plugin's capture (``extra_args.replay_sample_support``; the
+  ``vllm.sample_support`` patch computes each row inside vLLM's sampler, width
+  ``W = top_k + slack``, exact under ties, with an exactness flag per token);
+- ``_sample_support_from_flat_logprobs`` returns those rows (int32 ``[T, W]``, ``-1`` padding) and
+  the sampled logprobs, never a repaired row; SkyRL's own rows are not built;
+- a row that is not exact follows the knob ``REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS_ON_INEXACT``:
+  ``error`` (default) answers HTTP 500 naming the token and the fix, ``repair`` keeps the plugin's
+  row with the sampled id put in (logged with counts);
+- a request the plugin cannot capture (sampler settings that are not replayable, an engine without
+  the capture) is answered HTTP 400 / 500 with the reason instead of SkyRL's top-k rows.
+
+Other requests, and every other SkyRL endpoint, run SkyRL's code unchanged. The engine must allow
+``W`` logprobs: ``skyrl.engine_support_width`` raises SkyRL's ``max_logprobs = top_k``.
+
+How: ``VLLMServerActor._add_custom_endpoints`` is wrapped. It registers the endpoints as before,
+with a thin stand-in for the engine that sets the opt-in and keeps the request's last output in a
+context variable of the request's task; the ``/skyrl/v1/generate`` route is then re-registered
+around SkyRL's own endpoint function to mark the requests that asked for support. The module
+function ``_sample_support_from_flat_logprobs`` (looked up by SkyRL at call time) is wrapped to read
+the marked request's rows. Remove when SkyRL takes the support rows from vLLM's sampler.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..patcher import Patcher
+from .patches import ON_INEXACT_ENV, ON_INEXACT_POLICIES
+
+log = logging.getLogger("replay_plugin")
+
+PATH = "/skyrl/v1/generate"
+
+
+class _Request:
+    """One ``/skyrl/v1/generate`` request that asked for support: its engine output, once there."""
+
+    __slots__ = ("output",)
+
+    def __init__(self) -> None:
+        self.output: Any = None
+
+
+#: Whether the patch is applied. The route and the engine stand-in outlive a revert (a running
+#: server keeps its routes); cleared, they pass every request to SkyRL unchanged.
+_ACTIVE = False
+
+#: The request being served in this task (set by the route, read by the engine stand-in and by
+#: the row builder, which SkyRL calls in the same task).
+_CURRENT: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("replay_plugin_skyrl_request", default=None)
+
+
+def on_inexact() -> str:
+    import os
+
+    value = os.environ.get(ON_INEXACT_ENV, "error").strip().lower() or "error"
+    if value not in ON_INEXACT_POLICIES:
+        raise ValueError(f"{ON_INEXACT_ENV}={value!r}: expected one of {', '.join(ON_INEXACT_POLICIES)}")
+    return value
+
+
+# --------------------------------------------------------------------------- the engine stand-in
+
+
+class _CapturingEngine:
+    """The engine SkyRL's endpoints get: the real one, except that ``generate`` opts a marked
+    request into the plugin's capture and keeps its last output."""
+
+    def __init__(self, engine: Any) -> None:
+        self._replay_plugin_engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._replay_plugin_engine, name)
+
+    async def generate(self, prompt: Any, sampling_params: Any, *args: Any, **kwargs: Any):
+        current = _CURRENT.get() if _ACTIVE else None
+        if current is not None:
+            from ..vllm import options
+
+            extra = dict(getattr(sampling_params, "extra_args", None) or {})
+            extra[options.SUPPORT_KEY] = True
+            sampling_params.extra_args = extra
+        async for output in self._replay_plugin_engine.generate(prompt, sampling_params, *args, **kwargs):
+            if current is not None:
+                current.output = output
+            yield output
+
+
+# --------------------------------------------------------------------------- the route
+
+
+def _mark_support_requests(endpoint: Any) -> Any:
+    """SkyRL's endpoint function, wrapped: a request whose body asks ``return_sample_support``
+    runs with a fresh :class:`_Request` in :data:`_CURRENT`; the plugin's refusals become HTTP
+    errors with their message (SkyRL's endpoint has no handler for them: a bare 500)."""
+    from fastapi import HTTPException, Request
+
+    from ..core.errors import ReplayDataError
+    from ..vllm.refusal import SampleSupportRefused
+
+    async def skyrl_generate(request: Request):
+        if not _ACTIVE:  # reverted: SkyRL's endpoint, unchanged
+            return await endpoint(request)
+        body = await request.json()  # starlette keeps the parsed body: SkyRL's own call reads it again
+        if not isinstance(body, dict) or not body.get("return_sample_support", False):
+            return await endpoint(request)
+        token = _CURRENT.set(_Request())
+        try:
+            return await endpoint(request)
+        except SampleSupportRefused as exc:
+            raise HTTPException(status_code=400, detail=f"replay_plugin: {exc}") from exc
+        except ReplayDataError as exc:
+            raise HTTPException(status_code=500, detail=f"replay_plugin: {exc}") from exc
+        finally:
+            _CURRENT.reset(token)
+
+    skyrl_generate.__wrapped__ = endpoint  # type: ignore[attr-defined]
+    return skyrl_generate
+
+
+def _rewrap_route(app: Any) -> None:
+    from fastapi.routing import APIRoute
+
+    routes = app.router.routes
+    for i, route in enumerate(routes):
+        if isinstance(route, APIRoute) and route.path == PATH and "POST" in route.methods:
+            routes[i] = APIRoute(PATH, _mark_support_requests(route.endpoint), methods=["POST"], name=route.name)
+            return
+    raise RuntimeError(f"VLLMServerActor._add_custom_endpoints registered no POST {PATH} route")
+
+
+def _add_custom_endpoints(wrapped, instance, args, kwargs):
+    # (app, engine, cli_args), positional or by name, as SkyRL's staticmethod takes them
+    params = dict(zip(("app", "engine", "cli_args"), args), **kwargs)
+    params["engine"] = _CapturingEngine(params["engine"])
+    result = wrapped(**params)
+    _rewrap_route(params["app"])
+    return result
+
+
+# --------------------------------------------------------------------------- the rows
+
+
+def _rows(wrapped, instance, args, kwargs):
+    current = _CURRENT.get()
+    if current is None:  # not a request the route marked (the patch was applied late, or a test)
+        return wrapped(*args, **kwargs)
+    flat = args[0] if args else kwargs["logprobs"]
+    top_k = args[1] if len(args) > 1 else kwargs["top_k"]
+    return support_rows(current.output, flat, int(top_k))
+
+
+def support_rows(output: Any, flat: Any, top_k: int) -> tuple[list[dict[str, float]], np.ndarray]:
+    """``(sampled logprobs as SkyRL's content, rows int32 [T, W])`` of one request's last output,
+    from the plugin's capture, checked against the flat logprobs SkyRL would have read.
+
+    Raises:
+        ReplayDataError: no rows on the output (the capture did not run), rows not aligned with
+            the sampled tokens, an inexact row under ``on_inexact() == "error"``.
+    """
+    from ..core.errors import ReplayDataError
+    from ..vllm.client import support_of
+
+    completion = output.outputs[0] if output is not None and getattr(output, "outputs", None) else None
+    if completion is None:
+        raise ReplayDataError("rollout_sample_support", "the engine returned no output", expected="one output")
+    rows = support_of(completion)  # ReplayDataMissing names what to check
+    assert rows is not None
+    starts = np.asarray(flat.start_indices, dtype=np.int64)
+    sampled = np.asarray(flat.token_ids, dtype=np.int64)[starts] if len(starts) else np.zeros(0, np.int64)
+    if len(rows) != len(starts) or not np.array_equal(rows.sampled, sampled):
+        raise ReplayDataError(
+            "rollout_sample_support",
+            f"{len(rows)} captured rows for {len(starts)} generated tokens, or rows captured for other tokens",
+            expected="one row per generated token, for the token vLLM returned",
+        )
+    if not np.isfinite(rows.sampled_logprob).all():
+        bad = int(np.argmax(~np.isfinite(rows.sampled_logprob)))
+        raise ReplayDataError(
+            "rollout_sample_support", "the sampled token's logprob is not finite", token=bad, expected="finite"
+        )
+    ids = rows.ids
+    inexact = np.flatnonzero(~rows.exact)
+    if inexact.size:
+        policy = on_inexact()
+        tok = int(inexact[0])
+        if policy == "error":
+            raise ReplayDataError(
+                "rollout_sample_support",
+                f"{inexact.size} of {len(rows)} rows are not the sampler's exact support (token {tok}: its support "
+                f"is wider than the {rows.width} ids recorded, or lacks the sampled token)",
+                token=tok,
+                expected=f"exact rows: raise REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK (row width top_k + slack = "
+                f"{rows.width}), or set {ON_INEXACT_ENV}=repair to train on them",
+            )
+        ids = ids.copy()
+        missing = [int(t) for t in inexact if not (ids[t] == rows.sampled[t]).any()]
+        for t in missing:
+            filled = int((ids[t] >= 0).sum())
+            ids[t, min(filled, ids.shape[1] - 1)] = rows.sampled[t]
+        log.warning(
+            "replay_plugin: skyrl.sample_support_rows: %d of %d support rows inexact (%d lacked the sampled id and got "
+            "it put in; %s=repair); first at token %d",
+            inexact.size,
+            len(rows),
+            len(missing),
+            ON_INEXACT_ENV,
+            tok,
+        )
+    content = [{"logprob": float(value)} for value in rows.sampled_logprob]
+    return content, np.ascontiguousarray(ids, dtype=np.int32)
+
+
+def _deactivate() -> None:
+    global _ACTIVE
+    _ACTIVE = False
+
+
+def install(patcher: Patcher) -> None:
+    global _ACTIVE
+    on_inexact()  # a bad knob value refuses the patch (recorded), before any request
+    patcher.wrap("VLLMServerActor._add_custom_endpoints", _add_custom_endpoints)
+    patcher.wrap("_sample_support_from_flat_logprobs", _rows)
+    _ACTIVE = True
+    patcher.on_revert(_deactivate)

@@ -1,0 +1,45 @@
+"""Patch pack for SkyRL (entry point ``replay_plugin.patches: skyrl``): one row per patch; targets,
+versions and the rest are in compat_matrix.yaml. Switched on by SkyRL's own config keys, nothing
+else (README "SkyRL"):
+
+* ``skyrl.sample_support_rows`` on the vLLM server actor module: ``/skyrl/v1/generate`` returns the
+  plugin's exact rows (``generate_endpoint``);
+* ``skyrl.engine_support_width`` on ``inference_servers/utils``: the engine allows the rows' width
+  (``engine_args``);
+* ``skyrl.generator_support_width`` on the gym generator: SkyRL's agent loop takes rows as wide as
+  they come (``generator_rows``);
+* ``skyrl.fsdp_routes`` on the FSDP model wrapper, ``skyrl.fsdp_worker_routes`` on the workers and
+  ``skyrl.fsdp_routes_config`` on SkyRL's config checks: routed-expert replay on SkyRL's FSDP path
+  (``fsdp_routes``).
+
+Loading this pack imports nothing but the plugin's machinery.
+"""
+
+from __future__ import annotations
+
+from ..hooks import hookimpl
+from ..spec import Knob, Patch
+
+ON_INEXACT_ENV = "REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS_ON_INEXACT"
+ON_INEXACT_POLICIES = ("error", "repair")
+ON_INEXACT_KNOB = Knob(
+    ON_INEXACT_ENV,
+    "error",
+    "what `/skyrl/v1/generate` does with a support row that is not the sampler's exact support (more ties "
+    "than the slack covers): `error` (HTTP 500 naming the token and the fix) or `repair` (the sampled id is "
+    "put into the row; logged with counts)",
+)
+
+PATCHES = {
+    "skyrl.sample_support_rows": Patch("replay_plugin.skyrl.generate_endpoint", knobs=(ON_INEXACT_KNOB,)),
+    "skyrl.engine_support_width": Patch("replay_plugin.skyrl.engine_args"),
+    "skyrl.generator_support_width": Patch("replay_plugin.skyrl.generator_rows"),
+    "skyrl.fsdp_routes": Patch("replay_plugin.skyrl.fsdp_routes:install_model_wrapper"),
+    "skyrl.fsdp_worker_routes": Patch("replay_plugin.skyrl.fsdp_routes:install_workers"),
+    "skyrl.fsdp_routes_config": Patch("replay_plugin.skyrl.fsdp_routes:install_config"),
+}
+
+
+@hookimpl
+def replay_plugin_patches() -> dict[str, Patch]:
+    return PATCHES
