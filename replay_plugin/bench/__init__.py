@@ -22,6 +22,7 @@ BENCHES = {
     "megatron": "replay_plugin.bench.megatron",
     "vllm": "replay_plugin.bench.vllm",
     "fsdp": "replay_plugin.bench.fsdp",
+    "skyrl": "replay_plugin.bench.skyrl",
 }
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
