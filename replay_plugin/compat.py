@@ -422,13 +422,55 @@ def check_fingerprints(
     ``fingerprints`` (``{version: {name: sha}}``) for the installed ``version`` (None when
     unknown)."""
     current: dict[str, str] = {}
+    unimportable: list[str] = []
     for name in targets + relies_on:
         relied = name in relies_on and name not in targets
         try:
             # a relied-on name a version does not define is recorded as ABSENT; a target must exist
             current[name] = resolve_fingerprint(name) if relied else source_fingerprint(pkgutil.resolve_name(name))
+        except ImportError as exc:
+            # The module is installed but imports a distribution this environment lacks (skyrl's
+            # server without its [skyrl-train] extras): its source is still there to compare.
+            # The patch cannot apply here (its trigger import fails the same way).
+            read = _read_installed(name, relied)
+            if read is None:
+                return FingerprintCheck("missing", f"cannot resolve {'relied-on ' * relied}{name}: {exc!r}", current)
+            current[name] = read
+            unimportable.append(f"{name.partition(':')[0]} ({exc})")
         except Exception as exc:  # noqa: BLE001 - any failure means the code is gone
             return FingerprintCheck("missing", f"cannot resolve {'relied-on ' * relied}{name}: {exc!r}", current)
+    result = _compare(targets, relies_on, fingerprints, version, current)
+    if unimportable:
+        result.detail += "; read from source, not importable here: " + ", ".join(sorted(set(unimportable)))
+    return result
+
+
+def _read_installed(name: str, relied: bool) -> str | None:
+    """:func:`static_fingerprint` of ``name`` from the installed source files of its top-level
+    package, or None when they cannot be read that way."""
+    import importlib.util
+
+    top = name.partition(":")[0].partition(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = os.path.dirname(list(spec.submodule_search_locations)[0])
+    try:
+        return static_fingerprint(root, name, absent_ok=relied)
+    except (StaticSourceError, OSError, SyntaxError):
+        return None
+
+
+def _compare(
+    targets: tuple[str, ...],
+    relies_on: tuple[str, ...],
+    fingerprints: Mapping[str, Mapping[str, str]],
+    version: str | None,
+    current: dict[str, str],
+) -> FingerprintCheck:
     if not fingerprints:
         return FingerprintCheck("unrecorded", "no fingerprints recorded", current)
 

@@ -408,3 +408,23 @@ def test_static_fingerprint_refuses_what_it_cannot_locate(tmp_path):
         compat.static_fingerprint(str(tmp_path), "pkg.star:anything", absent_ok=True)
     with pytest.raises(compat.StaticSourceError, match="no source file for module pkg.nope"):
         compat.static_fingerprint(str(tmp_path), "pkg.nope:f")
+
+
+def test_a_target_whose_module_lacks_a_dependency_is_read_from_source(tmp_path, monkeypatch):
+    """An upstream installed without an optional extra (skyrl without [skyrl-train]: its server
+    module imports uvicorn) is compared from its source files; the detail says why. A target whose
+    source is gone still fails; so does one that changed."""
+    pkg = tmp_path / "halfpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "server.py").write_text("import not_installed_dependency_xyz\n\n\ndef serve(x):\n    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = "halfpkg.server:serve"
+    recorded = compat._digest("def serve(x):\n    return x + 1\n")
+    check = compat.check_fingerprints((name,), {"1.0": {name: recorded}}, "1.0")
+    assert check.state == "match", check
+    assert "read from source, not importable here: halfpkg.server" in check.detail
+    assert "not_installed_dependency_xyz" in check.detail
+    assert compat.check_fingerprints((name,), {"1.0": {name: "sha256:0"}}, "1.0").state == "drift"
+    gone = compat.check_fingerprints(("halfpkg.server:other",), {"1.0": {}}, "1.0")
+    assert gone.state == "missing" and "not_installed_dependency_xyz" in gone.detail
