@@ -66,6 +66,7 @@ def test_entry_points_declared():
         "vllm": "replay_plugin.vllm.patches",
         "fsdp": "replay_plugin.fsdp.patches",
         "skyrl": "replay_plugin.skyrl.patches",
+        "verl": "replay_plugin.verl.patches",
     }
 
 

@@ -1,0 +1,433 @@
+"""Patches ``verl.fsdp_support_logprobs`` and ``verl.fsdp_routes``: verl's FSDP engine
+(``FSDPEngineWithLMHead``, verl 0.9.1) scores with the rollout's sampler support and replays the
+rollout's routed experts.
+
+Gap (verl 0.9.1): verl has no sampler-support replay at all, and routed-expert replay (R3) only
+on its Megatron and VeOmni engines: ``ActorRolloutRefWorker`` reads ``router_replay.mode`` for
+those two strategies only, and the FSDP engine never reads the batch's ``routed_experts``.
+
+Both patches are driven by the batch, as verl's own keys are:
+
+- ``verl.fsdp_support_logprobs`` wraps ``FSDPEngineWithLMHead.prepare_model_outputs``. When the
+  micro-batch carries :data:`SUPPORT_KEY` (``rollout_sample_support``: int ``[B, R, W]``, the
+  sampler's support of each response token, ``-1`` padding, response-aligned like
+  ``rollout_log_probs`` / ``response_mask``; jagged ``[b, r_b, W]`` from the TransferQueue), the
+  engine's ``log_probs`` are renormalised over each token's support
+  (:func:`replay_plugin.fsdp.response_logprobs` on the model's raw logits, verl's temperature,
+  its remove-padding and Ulysses layout). verl computes everything else as before (entropy over
+  the full vocabulary, sum pi^2, distillation outputs): the patch runs verl's function with
+  ``distillation_only`` set on a shallow copy of the micro-batch, which skips only verl's own
+  log-prob pass. Every caller of the engine gets the replayed values: ``compute_log_prob``
+  (old log-probs), ``update_actor`` (the PPO loss) and ``compute_ref_log_prob`` (the reference
+  model over the same support, so that the KL penalty compares two distributions over one set).
+- ``verl.fsdp_routes`` wraps ``FSDPEngine.forward_backward_batch`` and
+  ``FSDPEngineWithLMHead.forward_step``. When the engine's own config says
+  ``router_replay.mode: R3`` (the key verl reads on Megatron; on FSDP set it with
+  ``+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3``) and the micro-batch carries
+  verl's ``routed_experts`` (the rollout's, with
+  ``actor_rollout_ref.rollout.enable_rollout_routing_replay=true``), each micro-batch's forward
+  *and* backward run inside :func:`replay_plugin.fsdp.replay_routes`: verl calls
+  ``loss.backward()`` in ``forward_backward_batch`` after ``forward_step`` returned, and
+  gradient-checkpointed layers recompute there, so the scope stays open until the next
+  micro-batch's forward or the end of the batch. The reference engine has a config of its own
+  (``router_replay`` disabled by default): it does not replay, as verl forces for Megatron.
+
+Engines of other modules that reuse these methods (VeOmni, with its own R3) pass through the route
+patch; sample-support rows given to them are refused.
+
+Rows without a route (padding, the last token of each sequence, which the engine never ran, and
+all-zero rows of a top-k >= 2 model, which verl's agent loop leaves for tokens it did not
+capture) are routed by the model itself. Refused with an error naming the setting: static
+``pad_to_length`` and fused kernels with either replay (the layout / the logits are not the
+plugin's), ``router_replay.mode: R2`` on FSDP, R3 without ``routed_experts`` in the batch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ..patcher import Patcher
+
+SUPPORT_KEY = "rollout_sample_support"
+ROUTES_KEY = "routed_experts"
+#: modules of the engines the patches serve (VeOmni and others reuse the methods: refused)
+FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+_HOLDER = "_replay_plugin_route_scope"
+
+
+# --------------------------------------------------------------------------- shared layout
+
+
+def _non_tensor(data: Any, key: str, default: Any) -> Any:
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def _check_engine(engine: Any, what: str) -> None:
+    from ..core.errors import NotReplayable
+
+    module = type(engine).__module__
+    if module != FSDP_ENGINE_MODULE:
+        raise NotReplayable(
+            "engine",
+            f"{what} is implemented for verl's FSDP engine ({FSDP_ENGINE_MODULE}), not {type(engine).__name__} "
+            f"of {module}: use strategy fsdp / fsdp2, or switch the plugin's verl patches off",
+            value=type(engine).__name__,
+        )
+    if getattr(engine, "pad_to_length", False):
+        raise NotReplayable(
+            "pad_to_length",
+            f"{what} cannot use the static packed padding of engine.pad_to_length (it shifts the Ulysses partition "
+            "the plugin lays the data out by): set pad_to_length false",
+            value=True,
+        )
+
+
+def batch_grid(input_ids: Any) -> tuple[Any, Any, Any, Any]:
+    """``(ids [B, S] long, mask [B, S] bool, indices [nnz], lengths [B])`` of verl's jagged
+    ``input_ids`` ``[b, j]``: each sequence left-justified in a ``[B, S]`` grid (``S`` the longest;
+    the layout of verl's padded branch), ``indices`` its valid positions row-major, which is the
+    order of ``input_ids.values()`` (the packed ``[1, nnz]`` of the remove-padding branch)."""
+    import torch
+
+    from ..core.errors import ReplayDataError
+
+    if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
+        raise ReplayDataError("input_ids", f"got {type(input_ids).__name__}", expected="verl's jagged [b, j] input_ids")
+    lengths = input_ids.offsets().diff()
+    values = input_ids.values()
+    batch, seq = int(lengths.numel()), int(lengths.max())
+    mask = torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]
+    indices = mask.reshape(-1).nonzero().squeeze(1)
+    ids = torch.zeros(batch * seq, dtype=torch.long, device=values.device)
+    ids.index_copy_(0, indices.to(values.device), values.long())
+    return ids.view(batch, seq), mask.to(values.device), indices.to(values.device), lengths.to(values.device)
+
+
+def _per_token_rows(micro_batch: Any, key: str, indices: Any, nnz: int) -> Any:
+    """``[nnz, ...]`` rows of a per-token field (one row per token of ``input_ids``): jagged like
+    ``input_ids`` (verl's nesting) or dense ``[B, S_pad, ...]`` next to ``attention_mask``."""
+    import torch
+
+    from ..core.errors import ReplayDataError
+
+    field = micro_batch[key]
+    if field.is_nested:
+        rows = field.values()
+    elif "attention_mask" in micro_batch.keys() and not micro_batch["attention_mask"].is_nested:
+        rows = field[micro_batch["attention_mask"].bool()]
+    else:
+        raise ReplayDataError(
+            key, f"dense shape {tuple(field.shape)} without a dense attention_mask", expected="jagged"
+        )
+    if rows.shape[0] != nnz:
+        raise ReplayDataError(key, f"{rows.shape[0]} rows for {nnz} tokens", expected="one row per token of input_ids")
+    return rows.to(indices.device) if isinstance(rows, torch.Tensor) else rows
+
+
+def _response_lengths(micro_batch: Any, batch: int) -> Any:
+    """Response length of each sequence, as verl's ``no_padding_2_padding`` reads it."""
+    from ..core.errors import ReplayDataError
+
+    keys = micro_batch.keys()
+    responses = micro_batch["responses"] if "responses" in keys else None
+    if responses is not None and responses.is_nested:
+        return responses.offsets().diff()
+    if responses is not None and "prompts" in keys and "attention_mask" in keys:
+        prompt_width = micro_batch["prompts"].shape[1]
+        return micro_batch["attention_mask"][:, prompt_width:].sum(dim=1)
+    raise ReplayDataError(
+        "responses", "missing (or dense without prompts and attention_mask)", expected=f"the {batch} responses"
+    )
+
+
+def _response_rows(field: Any, lengths: Any, fill: int, name: str) -> Any:
+    """``[B, R, ...]`` response-aligned rows (left-aligned, padded with ``fill``) of a jagged
+    ``[b, r_b, ...]`` or dense ``[B, R, ...]`` field, checked against the response lengths."""
+    import torch
+
+    from ..core.errors import ReplayDataError
+
+    if field.is_nested:
+        got = field.offsets().diff().to(lengths.device)
+        bad = (got != lengths).nonzero()
+        if bad.numel():
+            b = int(bad[0, 0])
+            raise ReplayDataError(
+                name, f"{int(got[b])} rows for a response of {int(lengths[b])} tokens", trajectory=b,
+                expected="one row per response token",
+            )  # fmt: skip
+        return torch.nested.to_padded_tensor(field, fill)
+    if field.dim() < 2 or field.shape[0] != lengths.numel() or field.shape[1] < int(lengths.max()):
+        raise ReplayDataError(
+            name,
+            f"shape {tuple(field.shape)}",
+            expected=f"[{lengths.numel()}, >= {int(lengths.max())}, ...] response-aligned like response_mask",
+        )
+    return field
+
+
+# --------------------------------------------------------------------------- verl.fsdp_support_logprobs
+
+
+def _temperature(micro_batch: Any, output_args: Mapping, packed: bool) -> tuple[float, Any]:
+    """``(T, per-position divisor or None)``: one temperature for the whole micro-batch, or (per
+    sample, differing) the tensor the logits are divided by in verl's layout."""
+    import torch
+
+    t = micro_batch["temperature"]
+    if not isinstance(t, torch.Tensor):
+        return float(t), None
+    t = t.detach().float().reshape(-1)
+    if t.numel() and bool((t == t[0]).all()):
+        return float(t[0]), None
+    if packed:
+        return 1.0, output_args["temperature_rmpad"].float().unsqueeze(-1)  # [1, n_local, 1]
+    return 1.0, output_args["temperature"].float()[:, None, None]  # [B, S, 1]
+
+
+def support_log_probs(engine: Any, output: Any, output_args: Mapping, micro_batch: Any) -> Any:
+    """verl's ``log_probs`` (jagged ``[b, j]``: position ``p`` holds the logprob of token ``p + 1``,
+    0 where verl's consumers never read) renormalised over the rollout's support."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..core.errors import NotReplayable, ReplayDataError
+    from ..core.inputs import as_mask, check_support_dtype
+    from ..fsdp import response_logprobs
+
+    packed = bool(_non_tensor(micro_batch, "use_remove_padding", True))
+    input_ids = micro_batch["input_ids"]
+    ids, mask, indices, lengths = batch_grid(input_ids)
+    batch, seq = ids.shape
+    if seq < 2:
+        raise ReplayDataError("input_ids", f"longest sequence {seq} token(s)", expected="prompt and response tokens")
+    response = _response_lengths(micro_batch, batch).to(lengths.device)
+    short = (response >= lengths).nonzero()
+    if short.numel():
+        b = int(short[0, 0])
+        raise ReplayDataError(
+            "responses", f"{int(response[b])} response tokens in a sequence of {int(lengths[b])}", trajectory=b,
+            expected="a prompt of at least one token",
+        )  # fmt: skip
+    support = _response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
+    if support.dim() != 3:
+        raise ReplayDataError(SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W] (jagged [b, r_b, W])")
+    check_support_dtype(support.dtype, SUPPORT_KEY)
+    loss_mask = as_mask(_response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
+    width = support.shape[-1]
+
+    # Response token t of sequence b sits at grid column lengths[b] - response[b] + t; the loss
+    # column that scores it (num_actions = S - 1 columns: column c scores token c + 1) is one less.
+    device = ids.device
+    r_max = int(response.max())
+    t = torch.arange(r_max, device=device)
+    response, lengths = response.to(device), lengths.to(device)
+    inside = t[None, :] < response[:, None]
+    columns = ((lengths - response)[:, None] + t[None, :])[inside]
+    rows_of = torch.arange(batch, device=device)[:, None].expand(batch, r_max)[inside]
+    grid_support = torch.full((batch, seq, width), -1, dtype=support.dtype, device=device)
+    grid_support[rows_of, columns] = support[:, :r_max].to(device)[inside]
+    grid_loss = torch.zeros(batch, seq - 1, dtype=torch.bool, device=device)
+    grid_loss[rows_of, columns - 1] = loss_mask[:, :r_max].to(device)[inside]
+
+    logits = output.logits
+    if logits is None:
+        raise NotReplayable(
+            "use_fused_kernels", "sample-support replay needs the model's logits: set use_fused_kernels false"
+        )
+    if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel over the vocabulary)
+        logits = logits.full_tensor()
+    temperature, divisor = _temperature(micro_batch, output_args, packed)
+    if divisor is not None:
+        logits = logits / divisor.to(logits.device)
+    sp_group = engine.ulysses_parallel_group if packed and getattr(engine, "use_ulysses_sp", False) else None
+    try:
+        lp = response_logprobs(
+            logits,
+            ids,
+            mask,
+            seq - 1,
+            support_ids=grid_support,
+            loss_mask=grid_loss,
+            temperature=temperature,
+            indices=indices if packed else None,
+            sp_group=sp_group,
+        )
+    except ReplayDataError as exc:
+        raise _in_verl_terms(exc, micro_batch, lengths, response) from exc
+    full = F.pad(lp, (0, 1))
+    values = full.reshape(-1).index_select(0, indices.to(full.device))
+    return torch.nested.nested_tensor_from_jagged(values, input_ids.offsets())
+
+
+def _in_verl_terms(exc: Any, micro_batch: Any, lengths: Any, response: Any) -> Any:
+    """The error of the plugin's grid in verl's terms: the batch field, the micro-batch row (and
+    its ``uid``), the token's index within its response."""
+    from ..core.errors import ReplayDataError
+
+    if exc.trajectory is None or exc.token is None:
+        return exc
+    b = exc.trajectory
+    token = exc.token - int(lengths[b] - response[b] - 1)  # grid column -> response token
+    field = {"support_ids": SUPPORT_KEY, "loss_mask": "loss_mask", "input_ids": "responses"}.get(exc.field, exc.field)
+    uid = _non_tensor(micro_batch, "uid", None)
+    where = f"micro-batch row {b}"
+    if uid is not None and len(uid) > b:
+        where += f", uid {getattr(uid[b], 'data', uid[b])}"
+    problem = str(exc).split(": ", 1)[-1]
+    return ReplayDataError(field, f"{problem} [{where}]", trajectory=b, token=token)
+
+
+def _prepare_model_outputs(wrapped, instance, args, kwargs):
+    from ..core.errors import NotReplayable
+
+    names = ("output", "output_args", "micro_batch", "logits_processor_func")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    micro_batch = bound["micro_batch"]
+    if SUPPORT_KEY not in micro_batch.keys() or _non_tensor(micro_batch, "distillation_only", False):
+        return wrapped(*args, **kwargs)
+    _check_engine(instance, "sample-support replay")
+    if _non_tensor(micro_batch, "use_fused_kernels", False):
+        raise NotReplayable(
+            "use_fused_kernels",
+            "sample-support replay needs the model's logits, which verl's fused kernels never materialise: set "
+            "actor_rollout_ref.model.use_fused_kernels=false",
+            value=True,
+        )
+    from verl.utils import tensordict_utils as tu
+
+    theirs = micro_batch.copy()  # shallow: verl's tensors, one non-tensor flag of our own
+    tu.assign_non_tensor(theirs, distillation_only=True)
+    bound["micro_batch"] = theirs
+    model_output = wrapped(**bound)
+    model_output["log_probs"] = support_log_probs(instance, bound["output"], bound["output_args"], micro_batch)
+    return model_output
+
+
+def install_support_logprobs(patcher: Patcher) -> None:
+    patcher.wrap("FSDPEngineWithLMHead.prepare_model_outputs", _prepare_model_outputs)
+
+
+# --------------------------------------------------------------------------- verl.fsdp_routes
+
+
+def replay_mode(engine: Any) -> str:
+    """The engine config's ``router_replay.mode`` (an object, or the plain mapping Hydra builds
+    from a ``+...router_replay.mode=R3`` override); ``"disabled"`` when absent."""
+    rr = getattr(getattr(engine, "engine_config", None), "router_replay", None)
+    mode = rr.get("mode") if isinstance(rr, Mapping) else getattr(rr, "mode", None)
+    return str(mode or "disabled")
+
+
+def route_scope(engine: Any, micro_batch: Any) -> Any:
+    """The (unentered) ``replay_routes`` scope of one micro-batch, in the layout the engine feeds
+    the model: ``[1, nnz]`` (remove-padding; verl's Ulysses slice of it with SP) or the
+    left-justified ``[B, S]`` grid."""
+    import torch
+
+    from ..core.errors import ReplayDataError
+    from ..fsdp import replay_routes
+
+    _check_engine(engine, "routed-expert replay")
+    ids, mask, indices, lengths = batch_grid(micro_batch["input_ids"])
+    batch, seq = ids.shape
+    values = _per_token_rows(micro_batch, ROUTES_KEY, indices, int(indices.numel()))
+    if values.dim() != 3:
+        raise ReplayDataError(ROUTES_KEY, f"rows of shape {tuple(values.shape[1:])}", expected="[L, K] per token")
+    values = values.to(ids.device)
+    grid = values.new_zeros((batch * seq, *values.shape[1:]))
+    grid.index_copy_(0, indices, values)
+    grid = grid.view(batch, seq, *values.shape[1:])
+    no_route = ~mask
+    no_route[torch.arange(batch, device=ids.device), lengths - 1] = True  # the engine never ran the last token
+    if grid.shape[-1] >= 2:  # rows verl's agent loop left uncaptured (a real top-k row repeats no id)
+        no_route |= (grid == 0).flatten(2).all(-1)
+    packed = bool(_non_tensor(micro_batch, "use_remove_padding", True))
+    sp_group = engine.ulysses_parallel_group if packed and getattr(engine, "use_ulysses_sp", False) else None
+    return replay_routes(engine.module, grid, no_route, indices=indices if packed else None, sp_group=sp_group)
+
+
+class _Scope:
+    """One ``forward_backward_batch``: the open route scope of its current micro-batch."""
+
+    def __init__(self) -> None:
+        self.ctx: Any = None
+
+    def close(self, *exc: Any) -> None:
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None:
+            ctx.__exit__(*(exc or (None, None, None)))
+
+
+def _wants_routes(engine: Any, micro_batch: Any) -> bool:
+    from ..core.errors import NotReplayable
+
+    if type(engine).__module__ != FSDP_ENGINE_MODULE:
+        return False  # VeOmni (and others reusing forward_step) replay with their own R3
+    mode = replay_mode(engine)
+    if mode in ("disabled", "None", "none"):
+        return False
+    if mode != "R3":
+        raise NotReplayable(
+            "router_replay.mode",
+            f"router_replay.mode={mode} on verl's FSDP engine: the plugin replays the rollout's routes (R3) only",
+            value=mode,
+        )
+    if _non_tensor(micro_batch, "enable_routing_replay", True) is False:
+        return False
+    if micro_batch.get(ROUTES_KEY, None) is None:
+        raise NotReplayable(
+            "router_replay.mode",
+            "router_replay.mode=R3 but the batch has no routed_experts: set "
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+            value=mode,
+        )
+    return True
+
+
+def _forward_step(wrapped, instance, args, kwargs):
+    micro_batch = kwargs["micro_batch"] if "micro_batch" in kwargs else args[0]
+    forward_only = kwargs["forward_only"] if "forward_only" in kwargs else (args[2] if len(args) > 2 else False)
+    scope = instance.__dict__.get(_HOLDER)
+    if scope is not None:
+        scope.close()  # the previous micro-batch's backward has run: it follows its forward_step
+    if not _wants_routes(instance, micro_batch):
+        return wrapped(*args, **kwargs)
+    ctx = route_scope(instance, micro_batch)
+    ctx.__enter__()
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException:
+        ctx.__exit__(*sys.exc_info())
+        raise
+    if forward_only or scope is None:
+        ctx.__exit__(None, None, None)
+    else:
+        scope.ctx = ctx  # open through forward_backward_batch's loss.backward()
+    return result
+
+
+def _forward_backward_batch(wrapped, instance, args, kwargs):
+    previous = instance.__dict__.get(_HOLDER)
+    scope = instance.__dict__[_HOLDER] = _Scope()
+    try:
+        result = wrapped(*args, **kwargs)
+    except BaseException:
+        scope.close(*sys.exc_info())
+        raise
+    finally:
+        scope.close()
+        if previous is None:
+            instance.__dict__.pop(_HOLDER, None)
+        else:
+            instance.__dict__[_HOLDER] = previous
+    return result
+
+
+def install_routes(patcher: Patcher) -> None:
+    patcher.wrap("FSDPEngine.forward_backward_batch", _forward_backward_batch)
+    patcher.wrap("FSDPEngineWithLMHead.forward_step", _forward_step)

@@ -1,0 +1,29 @@
+"""Patch pack for verl (entry point ``replay_plugin.patches: verl``): one row per patch; targets,
+versions and the rest are in compat_matrix.yaml. Driven by verl's batch and config, nothing else
+(README "verl"):
+
+* ``verl.fsdp_support_logprobs`` on the FSDP engine's ``prepare_model_outputs``: log-probs over
+  the rollout's support when the batch carries ``rollout_sample_support``;
+* ``verl.fsdp_routes`` on the FSDP engine's ``forward_backward_batch`` / ``forward_step``: R3
+  with verl's ``router_replay.mode: R3`` and the batch's ``routed_experts``.
+
+The Ulysses N-D partition patch verl needs for routes (``ulysses.nd_partition``) lives in the
+FSDP pack. Loading this pack imports nothing but the plugin's machinery.
+"""
+
+from __future__ import annotations
+
+from ..hooks import hookimpl
+from ..spec import Patch
+
+_ENGINE = "replay_plugin.verl.fsdp_engine"
+
+PATCHES = {
+    "verl.fsdp_support_logprobs": Patch(f"{_ENGINE}:install_support_logprobs"),
+    "verl.fsdp_routes": Patch(f"{_ENGINE}:install_routes"),
+}
+
+
+@hookimpl
+def replay_plugin_patches() -> dict[str, Patch]:
+    return PATCHES

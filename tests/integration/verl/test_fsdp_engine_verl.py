@@ -1,0 +1,289 @@
+"""verl 0.9.1's own FSDP engine (``FSDPEngineWithLMHead``, fsdp2 on gloo, CPU) with the plugin's
+``verl.fsdp_support_logprobs`` and ``verl.fsdp_routes`` (issue 31 items 3 and 5, the engine part).
+
+The rollout here is a top-k sampler over the same float32 weights (the plugin's contract: each
+response token's support row is the set the sampler could draw, its logprob the sampler's), made
+in the scenario, so that the engine's side is tested on its own; the batch goes through verl's own
+``DataProto.to_tensordict`` and ``left_right_2_no_padding`` (``verl_engine.make_batch``), then the
+engine's ``infer_batch`` (the ``compute_log_prob`` path) and ``train_batch`` with ``ppo_loss``.
+The rows reach the engine under ``rollout_sample_support`` (``[B, R, W]``, response-aligned like
+``rollout_log_probs``); routes under verl's ``routed_experts``.
+
+Every scenario runs in a fresh interpreter (the installed wheel active, the harness's CPU platform
+registered before verl's engine is imported: ``verl_engine``); the patch is switched off by its
+environment variable to show stock verl.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fsdp"))
+
+import fsdp_harness  # noqa: E402
+from conftest import need  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+TOP_K = 4
+WIDTH = 6  # rows W = top_k + 2: -1 padded, as the plugin's rows are wider than top_k
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
+RESPONSE = 8
+OFF_SUPPORT = {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0"}
+OFF_ROUTES = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0"}
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+def _ve():
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import verl_engine
+
+    verl_engine.register_cpu_platform()
+    return verl_engine
+
+
+def _model(ve, directory: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if not os.path.exists(os.path.join(directory, "config.json")):
+        ve.save_tiny_model(directory, vocab_size=128, seed=3)
+        # Routers of small logits: near-ties between experts, which a bfloat16 trainer breaks
+        # differently from the float32 rollout (the gap R3 closes).
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(0.05)
+        model.save_pretrained(directory, safe_serialization=True)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def _rollout(model, temperature: float, seed: int):
+    """Top-k sampling, token by token: responses, the sampler's logprobs, its support rows
+    (``[R, WIDTH]``, the top-k ids then -1), and the routes of the float32 forward of every
+    sequence (``[P + R, L, K]``; the last token's row as the engine leaves it: zeros)."""
+    import torch
+
+    from replay_plugin.fsdp import record_routes
+
+    g = torch.Generator().manual_seed(seed)
+    out = {"responses": [], "logprobs": [], "support": [], "routes": []}
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            seq, lps, rows = list(prompt), [], []
+            for _ in range(RESPONSE):
+                logits = model(torch.tensor([seq])).logits[0, -1].float() / temperature
+                top = torch.topk(logits, TOP_K)
+                probs = torch.softmax(top.values, -1)
+                j = int(torch.multinomial(probs, 1, generator=g))
+                seq.append(int(top.indices[j]))
+                lps.append(float(torch.log(probs[j])))
+                rows.append(top.indices.tolist() + [-1] * (WIDTH - TOP_K))
+            with record_routes(model) as rec:
+                model(torch.tensor([seq]))
+            routes = rec.routes[0].to(torch.int16).clone()
+            routes[-1] = 0
+            out["responses"].append(seq[len(prompt) :])
+            out["logprobs"].append(lps)
+            out["support"].append(rows)
+            out["routes"].append(routes)
+    return out
+
+
+def _batch(ve, roll, temperature: float, **fields):
+    import torch
+
+    support = [torch.tensor(r, dtype=torch.int32) for r in roll["support"]]
+    return ve.make_batch(
+        PROMPTS, roll["responses"], pad_id=0, temperature=temperature, response_fields=("rollout_sample_support",),
+        rollout_sample_support=support, **fields,
+    )  # fmt: skip
+
+
+def support_scenario(rank: int, world: int, model_dir: str, temperature: float, remove_padding: bool) -> dict:
+    """The engine's response logprobs against the sampler's: ratio statistics over every response
+    token, the entropy verl reports, and one PPO step with the rollout's logprobs as old logprobs."""
+    import torch
+
+    ve = _ve()
+    model = _model(ve, model_dir)
+    roll = _rollout(model, temperature, seed=11)
+    batch = _batch(ve, roll, temperature)
+    engine = ve.build_engine(model_dir, use_remove_padding=remove_padding, micro_batch_size=2)
+    got = ve.infer(engine, ve.log_prob_batch(batch, temperature=temperature), temperature=temperature)
+    lp, entropy = got["log_probs"], got["entropy"]
+    rollout = torch.zeros_like(lp)
+    for i, row in enumerate(roll["logprobs"]):
+        rollout[i, : len(row)] = torch.tensor(row)
+    mask = batch["response_mask"].bool()
+    ratio = torch.exp(lp - rollout)[mask]
+    full = ve.hf_response_logprobs(model, PROMPTS, roll["responses"], temperature)
+    full_ratio = torch.cat([torch.exp(f - torch.tensor(r)) for f, r in zip(full, roll["logprobs"], strict=True)])
+    step = ve.train_step(engine, batch, old_log_probs=roll["logprobs"], temperature=temperature)
+    return {
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max_dev": float((ratio - 1).abs().max()),
+        "full_ratio_mean": float(full_ratio.mean()),
+        "entropy": entropy[mask].tolist(),
+        "loss": step["loss"],
+        "ppo_kl": step["metrics"].get("actor/ppo_kl", step["metrics"].get("ppo_kl")),
+        "metric_keys": sorted(step["metrics"]),
+    }
+
+
+def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """Rows that are not the sampler's support are refused by name; R2 and R3 without routes too."""
+    import torch
+
+    from replay_plugin.core.errors import NotReplayable, ReplayDataError
+
+    ve = _ve()
+    model = _model(ve, model_dir)
+    roll = _rollout(model, 1.0, seed=5)
+    bad = [list(map(list, rows)) for rows in roll["support"]]
+    token = roll["responses"][2][3]
+    bad[2][3] = [i for i in range(TOP_K + 1) if i != token][:TOP_K] + [-1] * (WIDTH - TOP_K)
+    batch = ve.make_batch(
+        PROMPTS, roll["responses"], pad_id=0, response_fields=("rollout_sample_support",),
+        rollout_sample_support=[torch.tensor(r, dtype=torch.int32) for r in bad],
+    )  # fmt: skip
+    engine = ve.build_engine(model_dir, micro_batch_size=4)
+    out = {}
+    try:
+        ve.infer(engine, ve.log_prob_batch(batch))
+        out["missing"] = None
+    except ReplayDataError as exc:
+        out["missing"] = str(exc)
+    wide = [torch.tensor(r).to(torch.uint8) for r in roll["support"]]  # -1 wraps to 255
+    batch = ve.make_batch(
+        PROMPTS, roll["responses"], pad_id=0, response_fields=("rollout_sample_support",),
+        rollout_sample_support=wide,
+    )  # fmt: skip
+    try:
+        ve.infer(engine, ve.log_prob_batch(batch))
+        out["unsigned"] = None
+    except (ReplayDataError, TypeError) as exc:
+        out["unsigned"] = f"{type(exc).__name__}: {exc}"
+    plain = ve.make_batch(PROMPTS, roll["responses"], pad_id=0)
+    for mode in ("R2", "R3"):
+        engine = ve.build_engine(model_dir, micro_batch_size=4, router_replay_mode=mode)
+        try:
+            ve.infer(engine, ve.log_prob_batch(plain))
+            out[mode] = None
+        except NotReplayable as exc:
+            out[mode] = str(exc)
+    return out
+
+
+def routes_scenario(rank: int, world: int, model_dir: str, mode: str | None, gradient_checkpointing: bool) -> dict:
+    """A bfloat16 engine scoring the float32 rollout: share of the tokens (all but each sequence's
+    last) whose experts, every MoE layer, are the rollout's; then one PPO step (forward and
+    backward, the recompute of checkpointed layers included) with its loss and gradient norm."""
+    import torch
+
+    from replay_plugin.fsdp import record_routes
+    from replay_plugin.fsdp.route_replay import bound_layers
+
+    ve = _ve()
+    model = _model(ve, model_dir)
+    roll = _rollout(model, 1.0, seed=7)
+    batch = ve.make_batch(PROMPTS, roll["responses"], pad_id=0, routed_experts=roll["routes"])
+    engine = ve.build_engine(
+        model_dir, dtype="bfloat16", router_replay_mode=mode, micro_batch_size=len(PROMPTS),
+        gradient_checkpointing=gradient_checkpointing,
+    )  # fmt: skip
+    with record_routes(engine.module) as rec:
+        ve.infer(engine, ve.log_prob_batch(batch))
+    got = rec.routes.reshape(-1, *rec.routes.shape[-2:]).sort(-1).values
+    want = torch.cat([r.long() for r in roll["routes"]]).sort(-1).values
+    keep = torch.ones(got.shape[0], dtype=torch.bool)
+    ends = torch.tensor([len(p) + len(r) for p, r in zip(PROMPTS, roll["responses"], strict=True)]).cumsum(0) - 1
+    keep[ends] = False
+    same = (got == want).all(-1).all(-1)[keep]
+    step = ve.train_step(engine, batch)
+    return {
+        "agreement": float(same.float().mean()),
+        "loss": step["loss"],
+        "grad_norm": step["grad_norm"],
+        "bound_after": list(bound_layers()),
+    }
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("verl_engine") / "model")
+
+
+def _one(scenario, env=None, **kwargs):
+    (value,) = fsdp_harness.run_ranks(scenario, 1, env=env, timeout=600, **kwargs)
+    return value
+
+
+def test_verl_fsdp_engine_scores_over_the_rollouts_support(model_dir):
+    """Stock verl scores the top-k rollout over the full vocabulary (the importance ratio against
+    the sampler's logprobs is the support's mass, well below 1); with the plugin the engine's own
+    compute_log_prob path gives ratio 1 within 1e-5 (remove-padding and padded branches,
+    temperature 0.7), verl's entropy is unchanged, and a PPO step on the rollout's logprobs as old
+    logprobs sees no policy change (ppo_kl ~ 0) and a finite loss."""
+    need("verl")
+    stock = _one(support_scenario, OFF_SUPPORT, model_dir=model_dir, temperature=0.7, remove_padding=True)
+    plugin = _one(support_scenario, model_dir=model_dir, temperature=0.7, remove_padding=True)
+    padded = _one(support_scenario, model_dir=model_dir, temperature=0.7, remove_padding=False)
+    print(
+        f"verl FSDP engine, top-{TOP_K} rollout at T=0.7: stock ratio mean {stock['ratio_mean']:.4f} "
+        f"(max |r-1| {stock['ratio_max_dev']:.3f}, HF full-vocabulary {stock['full_ratio_mean']:.4f}), ppo_kl "
+        f"{stock['ppo_kl']}; plugin mean {plugin['ratio_mean']:.6f} max |r-1| {plugin['ratio_max_dev']:.2e} "
+        f"(padded {padded['ratio_max_dev']:.2e}), ppo_kl {plugin['ppo_kl']}, loss {plugin['loss']}"
+    )
+    assert abs(stock["ratio_mean"] - stock["full_ratio_mean"]) < 1e-4  # stock is the full vocabulary
+    assert stock["ratio_mean"] < 0.95 and stock["ratio_max_dev"] > 0.05
+    assert plugin["ratio_max_dev"] < 1e-5 and padded["ratio_max_dev"] < 1e-5
+    assert plugin["entropy"] == pytest.approx(stock["entropy"], abs=1e-6)  # verl's, over the vocabulary
+    assert abs(plugin["ppo_kl"]) < 1e-5 < abs(stock["ppo_kl"])
+    assert plugin["loss"] == plugin["loss"] and abs(plugin["loss"]) < 1e3  # finite
+
+
+def test_verl_fsdp_engine_refuses_rows_it_cannot_replay(model_dir):
+    """A support row without its sampled token is refused naming the field, the trajectory and
+    the token; unsigned rows (a -1 pad reads as 255) too; router_replay R2 on FSDP and R3 with a
+    batch without routed_experts name the setting and the fix. Stock verl returns numbers."""
+    need("verl")
+    out = _one(refusal_scenario, model_dir=model_dir)
+    print(out)
+    assert out["missing"] and "rollout_sample_support" in out["missing"] and "trajectory 2, token 3" in out["missing"]
+    assert out["unsigned"] and "signed" in out["unsigned"], out
+    assert out["R2"] and "R3" in out["R2"], out
+    assert out["R3"] and "enable_rollout_routing_replay" in out["R3"], out
+    stock = _one(refusal_scenario, {**OFF_SUPPORT, **OFF_ROUTES}, model_dir=model_dir)
+    assert stock == {"missing": None, "unsigned": None, "R2": None, "R3": None}, stock
+
+
+def test_verl_fsdp_engine_replays_the_rollouts_routes(model_dir):
+    """verl's own router_replay.mode=R3 on its FSDP engine is accepted and ignored by stock verl: a
+    bfloat16 trainer routes some tokens elsewhere than the float32 rollout. With the plugin every
+    token but each sequence's last goes to the rollout's experts, also in a PPO step with gradient
+    checkpointing (the recompute in backward replays too), and nothing stays bound afterwards."""
+    need("verl")
+    stock = _one(routes_scenario, OFF_ROUTES, model_dir=model_dir, mode="R3", gradient_checkpointing=False)
+    unset = _one(routes_scenario, model_dir=model_dir, mode=None, gradient_checkpointing=False)
+    plugin = _one(routes_scenario, model_dir=model_dir, mode="R3", gradient_checkpointing=True)
+    print(
+        f"verl FSDP engine, bf16 trainer route agreement: stock (R3 set) {100 * stock['agreement']:.1f}%, "
+        f"plugin without R3 {100 * unset['agreement']:.1f}%, plugin with R3 {100 * plugin['agreement']:.1f}% "
+        f"(PPO step with gradient checkpointing: loss {plugin['loss']}, grad norm {plugin['grad_norm']:.3f})"
+    )
+    assert stock["agreement"] < 1.0 and unset["agreement"] < 1.0
+    assert plugin["agreement"] == 1.0
+    assert plugin["bound_after"] == []
+    assert plugin["grad_norm"] == plugin["grad_norm"] and plugin["grad_norm"] > 0
