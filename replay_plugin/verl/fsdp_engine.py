@@ -32,8 +32,8 @@ Both patches are driven by the batch, as verl's own keys are:
   micro-batch's forward or the end of the batch. The reference engine has a config of its own
   (``router_replay`` disabled by default): it does not replay, as verl forces for Megatron.
 
-Engines of other modules that reuse these methods (VeOmni, with its own R3) pass through the route
-patch; sample-support rows given to them are refused.
+VeOmni's engine, which reuses these methods and has its own R3, passes through the route patch;
+other engines reusing them (FSDP-Turbo: its own parallel state) are refused with either replay.
 
 Rows without a route (padding, the last token of each sequence, which the engine never ran, and
 all-zero rows of a top-k >= 2 model, which verl's agent loop leaves for tokens it did not
@@ -54,6 +54,7 @@ SUPPORT_KEY = "rollout_sample_support"
 ROUTES_KEY = "routed_experts"
 #: modules of the engines the patches serve (VeOmni and others reuse the methods: refused)
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+VEOMNI_PREFIX = "verl.workers.engine.veomni"
 _HOLDER = "_replay_plugin_route_scope"
 
 
@@ -366,8 +367,8 @@ class _Scope:
 def _wants_routes(engine: Any, micro_batch: Any) -> bool:
     from ..core.errors import NotReplayable
 
-    if type(engine).__module__ != FSDP_ENGINE_MODULE:
-        return False  # VeOmni (and others reusing forward_step) replay with their own R3
+    if type(engine).__module__.startswith(VEOMNI_PREFIX):
+        return False  # VeOmni reuses forward_step and replays with its own R3
     mode = replay_mode(engine)
     if mode in ("disabled", "None", "none"):
         return False

@@ -287,3 +287,31 @@ def test_verl_fsdp_engine_replays_the_rollouts_routes(model_dir):
     assert plugin["agreement"] == 1.0
     assert plugin["bound_after"] == []
     assert plugin["grad_norm"] == plugin["grad_norm"] and plugin["grad_norm"] > 0
+
+
+def test_other_engines_reusing_the_methods():
+    """VeOmni's engine reuses forward_step and has its own R3: the route patch leaves it alone. An
+    engine of another module (FSDP-Turbo, with its own parallel state) asking for R3 or support
+    replay is refused by name rather than laid out as the FSDP engine's data."""
+    need("verl")
+    import torch
+    from tensordict import TensorDict
+
+    from replay_plugin.core.errors import NotReplayable
+    from replay_plugin.verl import fsdp_engine
+
+    def engine(module: str):
+        cls = type("Engine", (), {"__module__": module})
+        e = cls()
+        e.engine_config = type("Cfg", (), {"router_replay": {"mode": "R3"}})()  # Hydra's plain mapping
+        return e
+
+    batch = TensorDict({"routed_experts": torch.zeros(2, 3, 1, 2, dtype=torch.int16)}, batch_size=[2])
+    assert fsdp_engine.replay_mode(engine("x")) == "R3"
+    assert fsdp_engine._wants_routes(engine("verl.workers.engine.veomni.transformer_impl"), batch) is False
+    turbo = engine("verl.workers.engine.fsdp.fsdp_turbo_impl")
+    assert fsdp_engine._wants_routes(turbo, batch) is True
+    with pytest.raises(NotReplayable, match="FSDP engine .*fsdp_turbo_impl"):
+        fsdp_engine.route_scope(turbo, batch)
+    with pytest.raises(NotReplayable, match="sample-support replay is implemented for verl's FSDP engine"):
+        fsdp_engine._check_engine(turbo, "sample-support replay")
