@@ -108,15 +108,27 @@ def batch_grid(input_ids: Any) -> tuple[Any, Any, Any, Any]:
     return ids.view(batch, seq), mask.to(values.device), indices.to(values.device), lengths.to(values.device)
 
 
-def _per_token_rows(micro_batch: Any, key: str, indices: Any, nnz: int) -> Any:
+def _per_token_rows(micro_batch: Any, key: str, indices: Any, lengths: Any) -> Any:
     """``[nnz, ...]`` rows of a per-token field (one row per token of ``input_ids``): jagged like
-    ``input_ids`` (verl's nesting) or dense ``[B, S_pad, ...]`` next to ``attention_mask``."""
+    ``input_ids`` (verl's nesting; each sequence's rows checked against its length) or dense
+    ``[B, S_pad, ...]`` next to ``attention_mask``."""
     import torch
 
     from ..core.errors import ReplayDataError
 
     field = micro_batch[key]
+    nnz = int(indices.numel())
     if field.is_nested:
+        got = field.offsets().diff().to(lengths.device)
+        if got.shape != lengths.shape:
+            raise ReplayDataError(key, f"{got.numel()} sequences", expected=f"{lengths.numel()} like input_ids")
+        bad = (got != lengths).nonzero()
+        if bad.numel():
+            b = int(bad[0, 0])
+            raise ReplayDataError(
+                key, f"{int(got[b])} rows for a sequence of {int(lengths[b])} tokens", trajectory=b,
+                expected="one row per token of input_ids",
+            )  # fmt: skip
         rows = field.values()
     elif "attention_mask" in micro_batch.keys() and not micro_batch["attention_mask"].is_nested:
         rows = field[micro_batch["attention_mask"].bool()]
@@ -336,7 +348,7 @@ def route_scope(engine: Any, micro_batch: Any) -> Any:
     _check_engine(engine, "routed-expert replay")
     ids, mask, indices, lengths = batch_grid(micro_batch["input_ids"])
     batch, seq = ids.shape
-    values = _per_token_rows(micro_batch, ROUTES_KEY, indices, int(indices.numel()))
+    values = _per_token_rows(micro_batch, ROUTES_KEY, indices, lengths)
     if values.dim() != 3:
         raise ReplayDataError(ROUTES_KEY, f"rows of shape {tuple(values.shape[1:])}", expected="[L, K] per token")
     values = values.to(ids.device)

@@ -315,3 +315,24 @@ def test_other_engines_reusing_the_methods():
         fsdp_engine.route_scope(turbo, batch)
     with pytest.raises(NotReplayable, match="sample-support replay is implemented for verl's FSDP engine"):
         fsdp_engine._check_engine(turbo, "sample-support replay")
+
+
+def test_jagged_routes_must_line_up_with_each_sequence():
+    """Jagged ``routed_experts`` whose total matches the tokens but whose sequences do not (rows
+    shifted from one trajectory to the next) are refused naming the trajectory, not replayed
+    shifted."""
+    need("verl")
+    import torch
+    from tensordict import TensorDict
+
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.verl import fsdp_engine
+
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(7), offsets=torch.tensor([0, 3, 7]))
+    _, _, indices, lengths = fsdp_engine.batch_grid(ids)
+    good = torch.nested.nested_tensor_from_jagged(torch.zeros(7, 2, 2), offsets=torch.tensor([0, 3, 7]))
+    shifted = torch.nested.nested_tensor_from_jagged(torch.zeros(7, 2, 2), offsets=torch.tensor([0, 4, 7]))
+    rows = fsdp_engine._per_token_rows(TensorDict({"r": good}, batch_size=[2]), "r", indices, lengths)
+    assert tuple(rows.shape) == (7, 2, 2)
+    with pytest.raises(ReplayDataError, match="trajectory 0: 4 rows for a sequence of 3 tokens"):
+        fsdp_engine._per_token_rows(TensorDict({"r": shifted}, batch_size=[2]), "r", indices, lengths)
