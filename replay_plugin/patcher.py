@@ -8,6 +8,7 @@ reason, when someone else wrapped on top of it or replaced it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from collections.abc import Callable, Iterator
@@ -22,20 +23,71 @@ _MISSING = object()
 _MAX_DEPTH = 32
 
 
+def _resolve(module_name: str, qualname: str) -> Any:
+    """``module:qualname`` as the importing process has it (patched there if the plugin is active
+    there, the upstream object otherwise): how a :class:`PluginWrapper` is unpickled."""
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 class PluginWrapper(wrapt.FunctionWrapper):
     """A ``wrapt.FunctionWrapper`` that carries the name of the patch that installed it.
 
     wrapt proxies report the wrapped object's ``__class__``: test with
     ``type(obj) is PluginWrapper`` or :func:`patch_marker`, not ``isinstance``.
+
+    Pickled by reference (``module:qualname``, resolved again where it is unpickled). A wrapped
+    plain function in a class (``method=True``) is returned as is when looked up on the class
+    (``Class.method``; called with the instance first, like the function it wraps) instead of as
+    a new wrapt bound proxy. Why: ``ray.remote(cls)`` (Ray 2.x ``_make_actor`` ->
+    ``_inject_tracing_into_class``) looks every method up on the class in the driver and keeps it
+    in a closure of the subclass it ships to the actor by value; cloudpickle takes a wrapt proxy
+    for the function it proxies (``isinstance(proxy, FunctionType)``), finds that the name does not
+    lead back to the same object (wrapt makes a new bound proxy per lookup) and pickles the
+    *original function* by value. Every patched method of a Ray actor class (verl's
+    ``vLLMHttpServer``, ``AgentLoopWorker``) then runs unpatched in the actor. Looked up on the
+    class, the wrapper itself is found again, so cloudpickle pickles it by reference and the
+    actor resolves it after its own import (patched there by the plugin, or stock).
     """
 
-    def __init__(self, wrapped: Any, wrapper: Callable[..., Any], patch_name: str) -> None:
+    def __init__(
+        self,
+        wrapped: Any,
+        wrapper: Callable[..., Any],
+        patch_name: str,
+        target: tuple[str, str] | None = None,
+        method: bool = False,
+    ) -> None:
         super().__init__(wrapped, wrapper)
         self._self_replay_patch = patch_name
+        self._self_replay_target = target
+        self._self_replay_method = method
 
     @property
     def replay_plugin_patch(self) -> str:
         return self._self_replay_patch
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None and self._self_replay_method:
+            return self
+        return super().__get__(instance, owner)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._self_replay_method:
+            return super().__call__(*args, **kwargs)
+        # looked up on the class: the instance comes first, as for the plain function
+        if not args:
+            raise TypeError(f"{_describe(self.__wrapped__)}() missing its instance argument")
+        instance, rest = args[0], args[1:]
+        wrapper: Callable[..., Any] = self._self_wrapper
+        return wrapper(functools.partial(self.__wrapped__, instance), instance, rest, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._self_replay_target is None:
+            return super().__reduce_ex__(protocol)
+        return _resolve, self._self_replay_target
 
 
 def _is_plugin_wrapper(obj: Any) -> bool:
@@ -130,7 +182,8 @@ class Patcher:
         current = inspect.getattr_static(parent, attr)
         if _is_plugin_wrapper(current) and current._self_replay_patch == self.spec.name:
             return current
-        wrapper_obj = PluginWrapper(original, wrapper, self.spec.name)
+        method = inspect.isclass(parent) and inspect.isfunction(current)
+        wrapper_obj = PluginWrapper(original, wrapper, self.spec.name, target=(module_name, qualname), method=method)
         self._set(parent, attr, wrapper_obj)
         return wrapper_obj
 
