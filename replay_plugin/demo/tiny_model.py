@@ -47,6 +47,9 @@ class TinyMoEConfig:
     #: size is only known once the tokenizer is trained) shares one lm_head row: every logit
     #: value occurs that many times, so top-k with k not a multiple of it always cuts a tie
     tie_group_size: int = 0
+    #: special tokens the tokenizer gets besides ``<|endoftext|>`` (chat markers, e.g. Qwen's
+    #: ``<|im_start|>`` / ``<|im_end|>``, which verl's Qwen3 continuous-token builder requires)
+    special_tokens: tuple[str, ...] = ()
 
     def key(self) -> str:
         fields = asdict(self)
@@ -57,14 +60,14 @@ class TinyMoEConfig:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-_LATER_FIELDS = {"tie_group_size": 0}
+_LATER_FIELDS = {"tie_group_size": 0, "special_tokens": ()}
 
 
 def default_cache_dir() -> str:
     return os.environ.get("REPLAY_TEST_MODEL_CACHE") or os.path.expanduser("~/.cache/replay-plugin/models")
 
 
-def build_tokenizer(directory: str, vocab_size: int) -> None:
+def build_tokenizer(directory: str, vocab_size: int, special_tokens: tuple[str, ...] = ()) -> None:
     """Train a byte-level BPE tokenizer on the embedded corpus and save it as a
     ``PreTrainedTokenizerFast`` with ``<|endoftext|>`` as eos/pad."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -75,7 +78,7 @@ def build_tokenizer(directory: str, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
+        special_tokens=["<|endoftext|>", *special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -99,7 +102,7 @@ def build_tiny_moe(directory: str | None = None, config: TinyMoEConfig | None = 
             if fh.read().strip() == cfg.key():
                 return directory
     os.makedirs(directory, exist_ok=True)
-    build_tokenizer(directory, cfg.vocab_size)
+    build_tokenizer(directory, cfg.vocab_size, tuple(cfg.special_tokens))
     tokenizer = AutoTokenizer.from_pretrained(directory)
     vocab = len(tokenizer)
     if vocab > cfg.vocab_size:

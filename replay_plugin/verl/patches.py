@@ -2,6 +2,13 @@
 versions and the rest are in compat_matrix.yaml. Driven by verl's batch and config, nothing else
 (README "verl"):
 
+* ``verl.rollout_support_server`` on verl's vLLM server: with
+  ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` the engine allows the rows' width
+  and each opted-in request's support rows come back in ``TokenOutput.extra_fields``;
+* ``verl.rollout_support_batch`` on the agent loop: training requests opt in, every turn's rows
+  are kept and aligned with the response, and the sample carries ``rollout_sample_support``
+  (V0 ``DataProto`` and V1 TransferQueue);
+
 * ``verl.fsdp_support_logprobs`` on the FSDP engine's ``prepare_model_outputs``: log-probs over
   the rollout's support when the batch carries ``rollout_sample_support``;
 * ``verl.fsdp_routes`` on the FSDP engine's ``forward_backward_batch`` / ``forward_step``: R3
@@ -19,6 +26,8 @@ from ..spec import Patch
 _ENGINE = "replay_plugin.verl.fsdp_engine"
 
 PATCHES = {
+    "verl.rollout_support_server": Patch("replay_plugin.verl.rollout_server"),
+    "verl.rollout_support_batch": Patch("replay_plugin.verl.agent_loop"),
     "verl.fsdp_support_logprobs": Patch(f"{_ENGINE}:install_support_logprobs"),
     "verl.fsdp_routes": Patch(f"{_ENGINE}:install_routes"),
 }

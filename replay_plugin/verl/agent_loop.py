@@ -1,0 +1,214 @@
+"""Patch ``verl.rollout_support_batch``: the rollout's support rows ride verl's batch.
+
+Gap (verl 0.9.1, ``experimental/agent_loop/agent_loop.py``, ``workers/rollout/llm_server.py``):
+nothing in verl asks the rollout server for sampler support, and a per-token field a server puts
+into ``TokenOutput.extra_fields`` does not survive the agent loop: ``ToolAgentLoop`` keeps only
+the first turn's ``extra_fields``, ``FullyAsyncLLMServerClient`` rebuilds the ``TokenOutput``
+without them, and ``_postprocess`` turns ``extra_fields`` into per-sample objects, not a
+response-aligned tensor.
+
+With ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` (``switch``), for every
+training trajectory (not validation):
+
+- ``AgentLoopWorker._run_agent_loop`` opens a record of the trajectory's ``generate`` calls (a
+  context variable: each trajectory is its own asyncio task);
+- ``LLMServerClient.generate`` (every call: each turn, each resumed attempt of a partial rollout)
+  opts the request into the plugin's capture (``extra_args.replay_sample_support``; greedy
+  requests, ``temperature`` 0 or ``top_k`` 1, are not opted in: their tokens get padding rows,
+  which the trainer refuses to score), takes the rows the server put into ``extra_fields``
+  (``verl.rollout_support_server``) out of them, and appends the turn to the record; an opted-in
+  request answered without rows is refused (the server side is not patched);
+- the rows are aligned with the finished response token by token (``turns.align``: every mask-1
+  token must be a turn's token, in order) and become the sample's ``rollout_sample_support``:
+  V0 (``trainer.use_v1=false``): ``_postprocess`` adds ``batch["rollout_sample_support"]``, int32
+  ``[B, response_length, W]``, right-padded like ``rollout_log_probs``; V1 (the TransferQueue):
+  ``AgentLoopOutput.as_dict`` adds ``rollout_sample_support`` int32 ``[R, W]`` per sample (jagged in
+  the batch, as ``rollout_log_probs``). Both forms are what ``verl.fsdp_support_logprobs`` reads,
+  and the field is carried by verl through balancing, micro-batching and padding removal like
+  ``rollout_log_probs``.
+
+An agent loop that returns several outputs for one trajectory (V1 list outputs) is refused: the
+record cannot tell which turns each output holds. Validation batches and jobs without the switch
+run verl's code unchanged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import numpy as np
+
+from ..patcher import Patcher
+from . import switch, turns
+
+#: the support field, and the private key a V0 sample carries it under from ``_run_agent_loop`` to
+#: ``_postprocess`` (popped there before verl reads ``extra_fields``)
+SUPPORT_KEY = switch.SUPPORT_KEY
+_STASH = "_replay_plugin_rollout_sample_support"
+_ACTIVE = False
+
+
+class _Record:
+    """The ``generate`` calls of one trajectory."""
+
+    __slots__ = ("turns", "width", "outputs")
+
+    def __init__(self, width: int) -> None:
+        self.turns: list[turns.Turn] = []
+        self.width = width
+        self.outputs = 0
+
+
+_TRAJECTORY: contextvars.ContextVar[_Record | None] = contextvars.ContextVar(
+    "replay_plugin_verl_trajectory", default=None
+)
+
+
+def _greedy(sampling_params: Any) -> bool:
+    temperature = sampling_params.get("temperature", 1.0)
+    top_k = sampling_params.get("top_k", -1)
+    # verl's greedy samples (validation, ``__do_sample__`` false) set temperature 0; vLLM's top_k 0 / -1
+    # is no top-k (unbounded: opted in, and refused by the vLLM pack naming the setting)
+    return (temperature is not None and float(temperature) <= 0.0) or (top_k is not None and int(top_k) == 1)
+
+
+# --------------------------------------------------------------------------- LLMServerClient.generate
+
+
+async def _client_generate(wrapped, instance, args, kwargs):
+    record = _TRAJECTORY.get() if _ACTIVE else None
+    if record is None:
+        return await wrapped(*args, **kwargs)
+    from ..core.errors import ReplayDataError
+    from ..vllm import options
+
+    params = dict(kwargs.get("sampling_params") or {})
+    opt_in = not _greedy(params)
+    if opt_in:
+        extra = dict(params.get("extra_args") or {})
+        extra[options.SUPPORT_KEY] = True
+        slack = switch.slack(getattr(instance.config.actor_rollout_ref, "rollout", {}))
+        if slack is not None:
+            extra[options.SLACK_KEY] = slack
+        params["extra_args"] = extra
+        kwargs = {**kwargs, "sampling_params": params}
+    output = await wrapped(*args, **kwargs)
+    rows = output.extra_fields.pop(SUPPORT_KEY, None)
+    if opt_in and rows is None and output.token_ids:
+        raise ReplayDataError(
+            SUPPORT_KEY,
+            f"the rollout server answered a request that asked for support rows without them "
+            f"({len(output.token_ids)} tokens): the plugin's verl.rollout_support_server patch did not run in the "
+            "server process (run `replay-plugin status --import verl.workers.rollout.vllm_rollout.vllm_async_server` "
+            "in the rollout environment)",
+            expected="rows from verl's vLLM server",
+        )
+    record.turns.append(turns.turn(output.token_ids, rows if opt_in else None))
+    return output
+
+
+# --------------------------------------------------------------------------- AgentLoopWorker
+
+
+def _width(worker: Any) -> int:
+    vocabulary = getattr(getattr(worker.model_config, "hf_config", None), "vocab_size", None)
+    try:
+        return switch.width(worker.rollout_config, vocabulary)
+    except (TypeError, ValueError):
+        return 1
+
+
+async def _run_agent_loop(wrapped, instance, args, kwargs):
+    if not _ACTIVE or not switch.requested(instance.rollout_config):
+        return await wrapped(*args, **kwargs)
+    trajectory = kwargs["trajectory"] if "trajectory" in kwargs else args[1]
+    if trajectory.get("validate", False):
+        return await wrapped(*args, **kwargs)
+    record = _Record(_width(instance))
+    token = _TRAJECTORY.set(record)
+    try:
+        result = await wrapped(*args, **kwargs)
+    finally:
+        _TRAJECTORY.reset(token)
+    if result is not None and hasattr(result, "response_ids") and hasattr(result, "extra_fields"):  # V0
+        ids = result.response_ids.reshape(-1).tolist()
+        mask = result.response_mask.reshape(-1).tolist()
+        result.extra_fields[_STASH] = turns.align(ids, mask, record.turns, record.width, trajectory=_index(trajectory))
+    return result
+
+
+def _index(trajectory: Any) -> int | None:
+    value: Any = trajectory.get("sample_index", None) if hasattr(trajectory, "get") else None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _postprocess(wrapped, instance, args, kwargs):
+    inputs = kwargs["inputs"] if "inputs" in kwargs else args[0]
+    stashed = [item.extra_fields.pop(_STASH, None) for item in inputs]
+    output = wrapped(*args, **kwargs)
+    present = [rows is not None for rows in stashed]
+    if not any(present):
+        return output
+    if not all(present):
+        from ..core.errors import ReplayDataError
+
+        missing = present.index(False)
+        raise ReplayDataError(
+            SUPPORT_KEY,
+            "a batch mixes samples with and without support rows",
+            trajectory=missing,
+            expected="rows for every training sample of the batch",
+        )
+    import torch
+
+    width = max(rows.shape[1] for rows in stashed)
+    length = max(rows.shape[0] for rows in stashed)
+    batch = np.full((len(stashed), length, width), turns.PAD, dtype=np.int32)
+    for i, rows in enumerate(stashed):
+        batch[i, : rows.shape[0], : rows.shape[1]] = rows
+    output.batch[SUPPORT_KEY] = torch.from_numpy(batch)
+    return output
+
+
+# --------------------------------------------------------------------------- AgentLoopOutput (V1)
+
+
+def _as_dict(wrapped, instance, args, kwargs):
+    output = wrapped(*args, **kwargs)
+    record = _TRAJECTORY.get() if _ACTIVE else None
+    if record is None:
+        return output
+    record.outputs += 1
+    if record.outputs > 1:
+        from ..core.errors import NotReplayable
+
+        raise NotReplayable(
+            "agent_loop",
+            "an agent loop returned several outputs for one trajectory: the plugin cannot tell which generate calls "
+            f"each holds, so {switch.PREFIX}{switch.SWITCH}=true supports one output per trajectory",
+            value=record.outputs,
+        )
+    import torch
+
+    rows = turns.align(instance.response_ids, instance.response_mask, record.turns, record.width)
+    output[SUPPORT_KEY] = torch.from_numpy(rows)
+    return output
+
+
+def _deactivate() -> None:
+    global _ACTIVE
+    _ACTIVE = False
+
+
+def install(patcher: Patcher) -> None:
+    global _ACTIVE
+    patcher.wrap("AgentLoopWorker._run_agent_loop", _run_agent_loop)
+    patcher.wrap("AgentLoopWorker._postprocess", _postprocess)
+    patcher.wrap("AgentLoopOutput.as_dict", _as_dict)
+    patcher.wrap("verl.workers.rollout.llm_server:LLMServerClient.generate", _client_generate)
+    _ACTIVE = True
+    patcher.on_revert(_deactivate)

@@ -1,0 +1,173 @@
+"""Patch ``verl.rollout_support_server``: verl's vLLM server returns each request's support rows.
+
+Gap (verl 0.9.1, ``workers/rollout/vllm_rollout/vllm_async_server.py``): ``vLLMHttpServer``
+runs vLLM's ``AsyncLLM`` in-process and answers ``generate`` with a ``TokenOutput`` built from the
+final ``RequestOutput`` (token ids, the sampled token's logprob, routed experts). verl has no
+sampler-support replay: nothing asks the sampler for its support, and the final output (where
+the plugin's vLLM capture puts the rows) is a local of ``generate`` that no caller sees.
+
+With ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` (``switch``):
+
+- ``_preprocess_engine_kwargs`` (before the engine is built): the rollout config is checked
+  (``switch.check_rollout_config``: bounded top_k, temperature, processed logprobs, no PD
+  disaggregation; refused naming the verl key, so the server does not start), and the engine's
+  ``max_logprobs`` is raised to the rows' width ``W`` (never lowered; vLLM's default is 20);
+- ``run_server``: once verl has built the engine, ``self.engine`` is a thin stand-in that keeps
+  the last output of each request that opted in (``extra_args.replay_sample_support``, set by the
+  agent-loop side ``verl.rollout_support_batch`` for training requests only);
+- ``generate``: for such a request, the rows (int32 ``[T, W]``, ``-1`` padding) are checked against
+  the returned token ids and put into ``TokenOutput.extra_fields["rollout_sample_support"]``. A
+  row that is not the sampler's exact support (more ties at the k-th logit than the slack holds)
+  is refused with an error naming the token and the fix (raise the slack); so is an opted-in
+  request whose output carries no rows (the vLLM pack did not run in this process).
+
+Requests that did not opt in (validation, greedy samples), and every request without the
+switch, run verl's code unchanged. Remove when verl carries the sampler's support itself.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from typing import Any
+
+import numpy as np
+
+from ..patcher import Patcher
+from . import switch
+
+log = logging.getLogger("replay_plugin")
+
+#: the request being answered in this task (set by ``generate``, filled by the engine stand-in)
+_CURRENT: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("replay_plugin_verl_request", default=None)
+_ACTIVE = False
+
+
+class _Request:
+    __slots__ = ("output",)
+
+    def __init__(self) -> None:
+        self.output: Any = None
+
+
+class _CapturingEngine:
+    """verl's ``AsyncLLM``, except that ``generate`` keeps the last output of an opted-in request."""
+
+    def __init__(self, engine: Any) -> None:
+        self._replay_plugin_engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._replay_plugin_engine, name)
+
+    async def generate(self, *args: Any, **kwargs: Any):
+        from ..vllm import options
+
+        current = _CURRENT.get() if _ACTIVE else None
+        params = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
+        if current is not None and not options.wants_support(getattr(params, "extra_args", None)):
+            current = None
+        async for output in self._replay_plugin_engine.generate(*args, **kwargs):
+            if current is not None:
+                current.output = output
+            yield output
+
+
+def _on(instance: Any) -> bool:
+    return _ACTIVE and switch.requested(instance.config)
+
+
+def _preprocess_engine_kwargs(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if not _on(instance):
+        return result
+    engine_kwargs = args[0] if args else kwargs["engine_kwargs"]
+    switch.check_rollout_config(instance.config)
+    vocabulary = getattr(getattr(instance.model_config, "hf_config", None), "vocab_size", None)
+    width = switch.width(instance.config, vocabulary)
+    current = engine_kwargs.get("max_logprobs")
+    if current is None or (int(current) != -1 and int(current) < width):
+        log.info(
+            "replay_plugin: verl.rollout_support_server: max_logprobs %s -> %d (top_k %s + slack, the rows' width)",
+            "default (20)" if current is None else current,
+            width,
+            instance.config.top_k,
+        )
+        engine_kwargs["max_logprobs"] = width
+    return result
+
+
+async def _run_server(wrapped, instance, args, kwargs):
+    result = await wrapped(*args, **kwargs)
+    engine = getattr(instance, "engine", None)
+    if _on(instance) and engine is not None and not isinstance(engine, _CapturingEngine):
+        instance.engine = _CapturingEngine(engine)
+    return result
+
+
+async def _generate(wrapped, instance, args, kwargs):
+    if not _on(instance):
+        return await wrapped(*args, **kwargs)
+    request = _Request()
+    token = _CURRENT.set(request)
+    try:
+        result = await wrapped(*args, **kwargs)
+    finally:
+        _CURRENT.reset(token)
+    if request.output is None:  # did not opt in (or parked and rejected before the engine)
+        return result
+    rows = rows_of(request.output, list(result.token_ids))
+    if rows is not None:
+        result.extra_fields[switch.SUPPORT_KEY] = rows
+    return result
+
+
+def rows_of(output: Any, token_ids: list[int]) -> np.ndarray | None:
+    """The support rows (int32 ``[T, W]``) of one opted-in request's final output, checked
+    against the token ids verl returns; None for an aborted request without tokens.
+
+    Raises:
+        ReplayDataError: no rows (the capture did not run), rows for other tokens, a row that is
+            not the sampler's exact support.
+    """
+    from ..core.errors import ReplayDataError
+    from ..vllm.client import support_of
+
+    completion = output.outputs[0] if getattr(output, "outputs", None) else None
+    if completion is None:
+        if token_ids:
+            raise ReplayDataError(switch.SUPPORT_KEY, "the engine returned no completion", expected="one")
+        return None
+    rows = support_of(completion)  # ReplayDataMissing names what to check
+    assert rows is not None
+    sampled = np.asarray(token_ids, dtype=np.int64)
+    if len(rows) != len(sampled) or not np.array_equal(rows.sampled.astype(np.int64), sampled):
+        raise ReplayDataError(
+            switch.SUPPORT_KEY,
+            f"{len(rows)} captured rows for {len(sampled)} generated tokens, or rows captured for other tokens",
+            expected="one row per generated token, for the token vLLM returned",
+        )
+    inexact = np.flatnonzero(~rows.exact)
+    if inexact.size:
+        tok = int(inexact[0])
+        raise ReplayDataError(
+            switch.SUPPORT_KEY,
+            f"{inexact.size} of {len(rows)} rows are not the sampler's exact support (token {tok}: more tokens tie "
+            f"at the top_k-th logit than the {rows.width} ids of a row hold, or the row lacks the sampled token)",
+            token=tok,
+            expected=f"exact rows: raise {switch.PREFIX}{switch.SLACK} (row width top_k + slack = {rows.width})",
+        )
+    return np.ascontiguousarray(rows.ids, dtype=np.int32)
+
+
+def _deactivate() -> None:
+    global _ACTIVE
+    _ACTIVE = False
+
+
+def install(patcher: Patcher) -> None:
+    global _ACTIVE
+    patcher.wrap("vLLMHttpServer._preprocess_engine_kwargs", _preprocess_engine_kwargs)
+    patcher.wrap("vLLMHttpServer.run_server", _run_server)
+    patcher.wrap("vLLMHttpServer.generate", _generate)
+    _ACTIVE = True
+    patcher.on_revert(_deactivate)

