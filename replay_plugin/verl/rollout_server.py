@@ -10,7 +10,8 @@ With ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` (``switch`
 
 - ``_preprocess_engine_kwargs`` (before the engine is built): the rollout config is checked
   (``switch.check_rollout_config``: bounded top_k, temperature, processed logprobs, no PD
-  disaggregation; refused naming the verl key, so the server does not start), and the engine's
+  disaggregation; refused naming the verl key, so the server does not start; so is the switch with
+  ``REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH=0``, which would leave the batch without rows), and the engine's
   ``max_logprobs`` is raised to the rows' width ``W`` (never lowered; vLLM's default is 20);
 - ``run_server``: once verl has built the engine, ``self.engine`` is a thin stand-in that keeps
   the last output of each request that opted in (``extra_args.replay_sample_support``, set by the
@@ -82,6 +83,7 @@ def _preprocess_engine_kwargs(wrapped, instance, args, kwargs):
         return result
     engine_kwargs = args[0] if args else kwargs["engine_kwargs"]
     switch.check_rollout_config(instance.config)
+    _check_batch_patch()
     vocabulary = getattr(getattr(instance.model_config, "hf_config", None), "vocab_size", None)
     width = switch.width(instance.config, vocabulary)
     current = engine_kwargs.get("max_logprobs")
@@ -94,6 +96,23 @@ def _preprocess_engine_kwargs(wrapped, instance, args, kwargs):
         )
         engine_kwargs["max_logprobs"] = width
     return result
+
+
+def _check_batch_patch() -> None:
+    """The switch without the agent-loop half would train on batches without rows, silently
+    (nothing opts in): refuse it where the job starts, naming the variable."""
+    from ..core.errors import NotReplayable
+    from ..settings import load
+    from ..spec import toggle_name
+
+    name = toggle_name("verl.rollout_support_batch")
+    if load().toggle(name) is False:
+        raise NotReplayable(
+            name,
+            f"{switch.PREFIX}{switch.SWITCH}=true but {name}=0 switches off the patch that puts the rows into verl's "
+            f"batch: the trainer would score without them. Unset {name}, or drop the switch",
+            value=False,
+        )
 
 
 async def _run_server(wrapped, instance, args, kwargs):

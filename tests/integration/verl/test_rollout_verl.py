@@ -60,13 +60,31 @@ def _vr():
 # --------------------------------------------------------------------------- scenarios
 
 
-def rollout_scenario(rank: int, world: int, model_dir: str, out: str) -> dict:
-    """One training batch and one validation batch through verl's rollout; the training
-    ``DataProto`` pickled to ``out``; what both carry."""
+MULTI_TURN_RESPONSE = 64
+
+
+def _multi_turn_overrides() -> list[str]:
+    r = "actor_rollout_ref.rollout."
+    return [
+        f"{r}multi_turn.enable=True",
+        f"{r}multi_turn.format=replay_test",
+        f"{r}multi_turn.function_tool_path={os.path.join(HERE, 'verl_tools.py')}",
+        f"{r}multi_turn.max_assistant_turns=3",
+        f"{r}agent.default_agent_loop=tool_agent",
+    ]
+
+
+def rollout_scenario(rank: int, world: int, model_dir: str, out: str, multi_turn: bool = False) -> dict:
+    """One training batch and one validation batch through verl's rollout (``multi_turn``: verl's
+    ``ToolAgentLoop`` with ``verl_tools``); the training ``DataProto`` pickled to ``out``; what
+    both carry."""
     import numpy as np
 
     vr = _vr()
-    config = vr.compose(model_dir)
+    if multi_turn:
+        config = vr.compose(model_dir, *_multi_turn_overrides(), response_length=MULTI_TURN_RESPONSE)
+    else:
+        config = vr.compose(model_dir)
     train, val = vr.rollout(config, [(TEXTS, False), (TEXTS[:2], True)])
     with open(out, "wb") as fh:
         pickle.dump(train, fh)
@@ -77,7 +95,10 @@ def rollout_scenario(rank: int, world: int, model_dir: str, out: str) -> dict:
         mask = train.batch["response_mask"].numpy().astype(bool)
         held = [(rows[b, t] == responses[b, t]).any() for b, t in zip(*np.nonzero(mask))]
         widths = (rows >= 0).sum(-1)
+        runs = [int(np.sum(np.diff(np.concatenate([[0], m.astype(int)])) == 1)) for m in mask]
         summary.update(
+            runs=runs,
+            turns=train.non_tensor_batch["__num_turns__"].tolist(),
             shape=list(rows.shape),
             dtype=str(rows.dtype),
             tokens=int(mask.sum()),
@@ -88,9 +109,12 @@ def rollout_scenario(rank: int, world: int, model_dir: str, out: str) -> dict:
     return summary
 
 
-def engine_scenario(rank: int, world: int, model_dir: str, batch_path: str, dtype: str, mode: str | None) -> dict:
+def engine_scenario(
+    rank: int, world: int, model_dir: str, batch_path: str, dtype: str, mode: str | None, dynamic: bool = False
+) -> dict:
     """verl's FSDP engine on the rollout's batch: ratio of its old log-probs to verl's
-    ``rollout_log_probs``, route agreement with vLLM's ``routed_experts``, one PPO step."""
+    ``rollout_log_probs``, route agreement with vLLM's ``routed_experts``, one PPO step
+    (``dynamic``: verl's dynamic micro-batches, token-budgeted and reordered by sequence length)."""
     import torch
 
     if HERE not in sys.path:
@@ -109,7 +133,10 @@ def engine_scenario(rank: int, world: int, model_dir: str, batch_path: str, dtyp
     attention = proto.batch["attention_mask"].bool().clone()
     mask = proto.batch["response_mask"].bool().clone()
     batch = vr.trainer_batch(proto)
-    engine = ve.build_engine(model_dir, dtype=dtype, router_replay_mode=mode, micro_batch_size=len(TEXTS))
+    budget = (
+        {"use_dynamic_bsz": True, "max_token_len_per_gpu": 96, "infer_max_token_len_per_gpu": 96} if dynamic else {}
+    )
+    engine = ve.build_engine(model_dir, dtype=dtype, router_replay_mode=mode, micro_batch_size=len(proto), **budget)
     agreement = None
     if mode is None:  # stock runs have no plugin to record with
         lp = ve.infer(engine, batch)["log_probs"]
@@ -147,11 +174,12 @@ def rollouts(tmp_path_factory):
     model = vr.build_model(str(root / "model"), router_scale=ROUTER_SCALE)
     shim = vr.vllm_dist_shim(str(root / "shim"))
     out = {"model": model}
-    for name, env in (("stock", STOCK), ("plugin", {})):
+    for name, env, multi_turn in (("stock", STOCK, False), ("plugin", {}, False), ("multi_turn", {}, True)):
         path = str(root / f"{name}.pkl")
         (summary,) = fsdp_harness.run_ranks(
-            rollout_scenario, 1, env={"PYTHONPATH": shim, **env}, timeout=900, model_dir=model, out=path
-        )
+            rollout_scenario, 1, env={"PYTHONPATH": f"{shim}:{HERE}", **env}, timeout=900, model_dir=model, out=path,
+            multi_turn=multi_turn,
+        )  # fmt: skip
         out[name] = (summary, path)
     return out
 
@@ -189,14 +217,17 @@ def test_verl_engine_on_verl_rollout_batch_replays_the_support(rollouts):
     the rollout's log-probs as old log-probs has a finite loss and ppo_kl ~ 0."""
     stock = _engine(rollouts, "stock", STOCK, dtype="float32", mode=None)
     plugin = _engine(rollouts, "plugin", dtype="float32", mode=None)
+    dynamic = _engine(rollouts, "plugin", dtype="float32", mode=None, dynamic=True)
     print(
-        f"verl FSDP engine on verl's vllm-cpu rollout (top_k 4, T=1): stock ratio mean {stock['ratio_mean']:.4f} "
+        f"verl FSDP engine on verl's vllm-cpu rollout (top_k 4, T=1), dynamic micro-batches max |r-1| "
+        f"{dynamic['ratio_max_dev']:.2e}: stock ratio mean {stock['ratio_mean']:.4f} "
         f"(max |r-1| {stock['ratio_max_dev']:.3f}, ppo_kl {stock['ppo_kl']}); plugin mean {plugin['ratio_mean']:.6f} "
         f"max |r-1| {plugin['ratio_max_dev']:.2e}, ppo_kl {plugin['ppo_kl']}, loss {plugin['loss']}"
     )
     assert stock["ratio_mean"] < 0.95 and stock["ratio_max_dev"] > 0.05
-    assert plugin["ratio_max_dev"] < 1e-5
+    assert plugin["ratio_max_dev"] < 1e-5 and dynamic["ratio_max_dev"] < 1e-5
     assert abs(plugin["ppo_kl"]) < 1e-5 < abs(stock["ppo_kl"])
+    assert abs(dynamic["ppo_kl"]) < 1e-5
     assert plugin["loss"] == plugin["loss"] and abs(plugin["loss"]) < 1e3
 
 
@@ -212,3 +243,80 @@ def test_verl_engine_replays_vllms_routes_from_verl_rollout(rollouts):
     assert stock["agreement"] < 1.0
     assert plugin["agreement"] == 1.0
     assert plugin["loss"] == plugin["loss"]
+
+
+def test_verl_tool_agent_loop_keeps_every_turns_rows(rollouts):
+    """verl's ToolAgentLoop, several assistant turns with tool responses between them (stock verl
+    keeps only the first turn's extra_fields): every generated token of every turn has its row,
+    the tool and template tokens none, and the engine's ratio on that batch is 1 within 1e-5."""
+    summary = rollouts["multi_turn"][0]
+    plugin = _engine(rollouts, "multi_turn", dtype="float32", mode=None)
+    print(
+        f"verl ToolAgentLoop rollout: runs of generated tokens per sample {summary['runs']}, turns "
+        f"{summary['turns']}, {summary['held']}/{summary['tokens']} generated tokens held by their row; engine ratio "
+        f"mean {plugin['ratio_mean']:.6f} max |r-1| {plugin['ratio_max_dev']:.2e}"
+    )
+    assert "rollout_sample_support" in summary["train_keys"]
+    assert max(summary["runs"]) >= 2  # several assistant turns, context between them
+    assert summary["held"] == summary["tokens"] > 0 and summary["pad_only_off_mask"]
+    assert plugin["ratio_max_dev"] < 1e-5
+
+
+def config_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """verl's own ``vLLMHttpServer._preprocess_engine_kwargs`` (as ``launch_server`` calls it, before
+    the engine is built) for several rollout configs: the engine kwargs it leaves, or the refusal."""
+    from types import SimpleNamespace
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    vr = _vr()
+    r = "actor_rollout_ref.rollout."
+    cases = {
+        "top_k 4": [],
+        "top_k 50": [f"{r}top_k=50"],
+        "top_k 50, max_logprobs 100": [f"{r}top_k=50", f"+{r}engine_kwargs.vllm.max_logprobs=100"],
+        "top_k -1": [f"{r}top_k=-1"],
+        "raw logprobs": [f"{r}logprobs_mode=raw_logprobs"],
+    }
+    out = {}
+    for name, overrides in list(cases.items()) + [("switch off, top_k 50", None)]:
+        if overrides is None:
+            config = vr.compose(model_dir, f"{r}top_k=50", switch=False)
+        else:
+            config = vr.compose(model_dir, *overrides)
+        server = SimpleNamespace(
+            config=omega_conf_to_dataclass(config.actor_rollout_ref.rollout),
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(vocab_size=300)),
+        )
+        kwargs = dict(server.config.engine_kwargs.get("vllm", {}) or {})
+        try:
+            vLLMHttpServer._preprocess_engine_kwargs(server, kwargs)
+            out[name] = {"max_logprobs": kwargs.get("max_logprobs")}
+        except ValueError as exc:
+            out[name] = {"refused": type(exc).__name__, "setting": getattr(exc, "setting", None), "message": str(exc)}
+    return out
+
+
+def test_verl_server_config_is_checked_and_fitted_before_the_engine_starts(rollouts, tmp_path):
+    """Stock verl leaves vLLM's max_logprobs at its default 20 whatever top_k is (rows of top_k + 16
+    would then be refused request by request); with the switch the engine allows W (never lowered),
+    and configs that cannot be replayed, or the switch with the batch patch switched off, are
+    refused naming the verl key or variable before any engine starts."""
+    shim = _vr().vllm_dist_shim(str(tmp_path / "shim"))
+    env = {"PYTHONPATH": f"{shim}:{HERE}"}
+    (stock,) = fsdp_harness.run_ranks(config_scenario, 1, env={**env, **STOCK}, model_dir=rollouts["model"])
+    (plugin,) = fsdp_harness.run_ranks(config_scenario, 1, env=env, model_dir=rollouts["model"])
+    (off,) = fsdp_harness.run_ranks(
+        config_scenario, 1, env={**env, "REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH": "0"}, model_dir=rollouts["model"]
+    )
+    print(f"verl server config: stock {stock}; plugin {plugin}")
+    assert stock["top_k 50"] == {"max_logprobs": None} and stock["top_k -1"] == {"max_logprobs": None}
+    assert plugin["top_k 4"] == {"max_logprobs": 20}
+    assert plugin["top_k 50"] == {"max_logprobs": 66}
+    assert plugin["top_k 50, max_logprobs 100"] == {"max_logprobs": 100}
+    assert plugin["switch off, top_k 50"] == {"max_logprobs": None}
+    assert plugin["top_k -1"]["setting"] == "actor_rollout_ref.rollout.top_k"
+    assert plugin["raw logprobs"]["setting"] == "actor_rollout_ref.rollout.logprobs_mode"
+    assert off["top_k 4"]["setting"] == "REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH"
+    assert off["switch off, top_k 50"] == {"max_logprobs": None}

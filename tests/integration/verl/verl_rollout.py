@@ -75,7 +75,7 @@ def build_model(directory: str, router_scale: float = 8.0) -> str:
     return directory
 
 
-def compose(model_dir: str, *overrides: str, switch: bool = True):
+def compose(model_dir: str, *overrides: str, switch: bool = True, response_length: int = RESPONSE_LENGTH):
     import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -91,7 +91,7 @@ def compose(model_dir: str, *overrides: str, switch: bool = True):
         f"{r}tensor_model_parallel_size=1",
         f"{r}max_model_len=256",
         f"{r}prompt_length={PROMPT_LENGTH}",
-        f"{r}response_length={RESPONSE_LENGTH}",
+        f"{r}response_length={response_length}",
         f"{r}max_num_seqs=16",
         f"{r}max_num_batched_tokens=512",
         f"{r}temperature=1.0",
@@ -112,7 +112,13 @@ def compose(model_dir: str, *overrides: str, switch: bool = True):
 
 
 def _env_vars() -> dict[str, str]:
-    keep = ("PYTHONPATH", "REPLAY_PLUGIN_STATUS_DIR", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE")
+    keep = (
+        "PYTHONPATH",
+        "PYTHONDONTWRITEBYTECODE",
+        "REPLAY_PLUGIN_STATUS_DIR",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "HF_HUB_OFFLINE",
+    )
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update({k: v for k, v in os.environ.items() if k.startswith("REPLAY_PLUGIN_")})
     return env
