@@ -52,12 +52,15 @@ _ACTIVE = False
 class _Record:
     """The ``generate`` calls of one trajectory."""
 
-    __slots__ = ("turns", "width", "outputs")
+    __slots__ = ("turns", "width", "outputs", "client")
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, client: Any = None) -> None:
         self.turns: list[turns.Turn] = []
         self.width = width
         self.outputs = 0
+        #: the worker's own rollout client; other clients (a distillation teacher's, called in the
+        #: same task by ``_compute_teacher_logprobs``) are not the trajectory's turns
+        self.client = client
 
 
 _TRAJECTORY: contextvars.ContextVar[_Record | None] = contextvars.ContextVar(
@@ -78,7 +81,7 @@ def _greedy(sampling_params: Any) -> bool:
 
 async def _client_generate(wrapped, instance, args, kwargs):
     record = _TRAJECTORY.get() if _ACTIVE else None
-    if record is None:
+    if record is None or (record.client is not None and instance is not record.client):
         return await wrapped(*args, **kwargs)
     from ..core.errors import ReplayDataError
     from ..vllm import options
@@ -125,7 +128,7 @@ async def _run_agent_loop(wrapped, instance, args, kwargs):
     trajectory = kwargs["trajectory"] if "trajectory" in kwargs else args[1]
     if trajectory.get("validate", False):
         return await wrapped(*args, **kwargs)
-    record = _Record(_width(instance))
+    record = _Record(_width(instance), getattr(instance, "llm_client", None))
     token = _TRAJECTORY.set(record)
     try:
         result = await wrapped(*args, **kwargs)
