@@ -388,3 +388,30 @@ def test_doctor_names_the_silent_skyrl_cases(tmp_path):
     assert len(off) == 1 and "skyrl.sample_support_rows disabled" in off[0]["problem"], off
     off = findings({"REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT": "0"})
     assert len(off) == 1 and "vllm.sample_support disabled" in off[0]["problem"], off
+
+
+def test_skyrl_ray_workers_keep_the_route_patches():
+    """SkyRL's FSDP workers are Ray actors (``PolicyWorker = ray.remote(...)(FSDPPolicyWorkerBase)``,
+    likewise ``RefWorker``): Ray prepares the class in the driver (its tracing injection keeps each
+    method as looked up on the class) and ships it by value. The patched ``_forward_micro_batch``
+    must arrive as the plugin's wrapper, not as SkyRL's function (what cloudpickle made of a wrapt
+    proxy before the patcher pickled its wrappers by reference; the wrapt case itself is shown in
+    tests/integration/verl/test_ray_actor_patches.py)."""
+    need("skyrl")
+    from ray import cloudpickle
+    from ray.actor import _modify_class
+    from ray.util.tracing.tracing_helper import _inject_tracing_into_class
+    from skyrl.backends.skyrl_train.workers.fsdp import fsdp_worker
+
+    from replay_plugin.patcher import patch_marker
+
+    for cls, name in (
+        (fsdp_worker.FSDPPolicyWorkerBase, "_forward_micro_batch"),
+        (fsdp_worker.FSDPPolicyWorkerBase, "_forward_backward_micro"),
+        (fsdp_worker.FSDPRefWorkerBase, "_forward_micro_batch"),
+    ):
+        shipped = _inject_tracing_into_class(_modify_class(cls))
+        loaded = cloudpickle.loads(cloudpickle.dumps(shipped))
+        method = loaded.__dict__.get(name) or getattr(loaded, name)
+        captured = [c.cell_contents for c in (getattr(method, "__closure__", None) or ())]
+        assert any(patch_marker(obj) == "skyrl.fsdp_worker_routes" for obj in captured + [method]), (cls, name)
