@@ -49,8 +49,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..patcher import Patcher
+from .switch import SUPPORT_KEY
 
-SUPPORT_KEY = "rollout_sample_support"
 ROUTES_KEY = "routed_experts"
 #: modules of the engines the patches serve (VeOmni and others reuse the methods: refused)
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"

@@ -24,7 +24,7 @@ from ..core.errors import NotReplayable
 SWITCH = "replay_sample_support"
 SLACK = "replay_sample_support_slack"
 PREFIX = "actor_rollout_ref.rollout.custom."
-#: the row field of a rollout sample / batch (the FSDP engine reads it: ``fsdp_engine.SUPPORT_KEY``)
+#: the row field of a rollout sample / batch (the agent loop writes it, the FSDP engine reads it)
 SUPPORT_KEY = "rollout_sample_support"
 PROCESSED = "processed_logprobs"
 
@@ -43,14 +43,14 @@ def _custom(rollout_config: Any) -> Mapping[str, Any]:
 
 
 def _flag(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", "", "none", "null"):
-        return False
-    raise NotReplayable(PREFIX + key, f"{PREFIX}{key}={value!r}: expected true or false", value=value)
+    from ..settings import SettingError, parse_bool
+
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    try:
+        return parse_bool(PREFIX + key, str(value))
+    except SettingError as exc:
+        raise NotReplayable(PREFIX + key, str(exc), value=value) from None
 
 
 def requested(rollout_config: Any) -> bool:

@@ -29,7 +29,6 @@ prompts and returns the output ``DataProto`` (Ray is shut down afterwards).
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,7 +191,3 @@ def trainer_batch(proto, temperature: float = 1.0):
 
     proto.non_tensor_batch["multi_modal_inputs"] = np.array([{} for _ in range(len(proto))], dtype=object)
     return left_right_2_no_padding(proto.to_tensordict())
-
-
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
