@@ -49,6 +49,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..patcher import Patcher
+from .engine_batch import batch_grid, check_prompts, in_verl_terms, response_lengths, response_rows
+from .engine_batch import non_tensor as _non_tensor
 from .switch import SUPPORT_KEY
 
 ROUTES_KEY = "routed_experts"
@@ -59,12 +61,6 @@ _HOLDER = "_replay_plugin_route_scope"
 
 
 # --------------------------------------------------------------------------- shared layout
-
-
-def _non_tensor(data: Any, key: str, default: Any) -> Any:
-    from verl.utils import tensordict_utils as tu
-
-    return tu.get_non_tensor_data(data=data, key=key, default=default)
 
 
 def _check_engine(engine: Any, what: str) -> None:
@@ -85,27 +81,6 @@ def _check_engine(engine: Any, what: str) -> None:
             "the plugin lays the data out by): set pad_to_length false",
             value=True,
         )
-
-
-def batch_grid(input_ids: Any) -> tuple[Any, Any, Any, Any]:
-    """``(ids [B, S] long, mask [B, S] bool, indices [nnz], lengths [B])`` of verl's jagged
-    ``input_ids`` ``[b, j]``: each sequence left-justified in a ``[B, S]`` grid (``S`` the longest;
-    the layout of verl's padded branch), ``indices`` its valid positions row-major, which is the
-    order of ``input_ids.values()`` (the packed ``[1, nnz]`` of the remove-padding branch)."""
-    import torch
-
-    from ..core.errors import ReplayDataError
-
-    if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
-        raise ReplayDataError("input_ids", f"got {type(input_ids).__name__}", expected="verl's jagged [b, j] input_ids")
-    lengths = input_ids.offsets().diff()
-    values = input_ids.values()
-    batch, seq = int(lengths.numel()), int(lengths.max())
-    mask = torch.arange(seq, device=lengths.device)[None, :] < lengths[:, None]
-    indices = mask.reshape(-1).nonzero().squeeze(1)
-    ids = torch.zeros(batch * seq, dtype=torch.long, device=values.device)
-    ids.index_copy_(0, indices.to(values.device), values.long())
-    return ids.view(batch, seq), mask.to(values.device), indices.to(values.device), lengths.to(values.device)
 
 
 def _per_token_rows(micro_batch: Any, key: str, indices: Any, lengths: Any) -> Any:
@@ -139,48 +114,6 @@ def _per_token_rows(micro_batch: Any, key: str, indices: Any, lengths: Any) -> A
     if rows.shape[0] != nnz:
         raise ReplayDataError(key, f"{rows.shape[0]} rows for {nnz} tokens", expected="one row per token of input_ids")
     return rows.to(indices.device) if isinstance(rows, torch.Tensor) else rows
-
-
-def _response_lengths(micro_batch: Any, batch: int) -> Any:
-    """Response length of each sequence, as verl's ``no_padding_2_padding`` reads it."""
-    from ..core.errors import ReplayDataError
-
-    keys = micro_batch.keys()
-    responses = micro_batch["responses"] if "responses" in keys else None
-    if responses is not None and responses.is_nested:
-        return responses.offsets().diff()
-    if responses is not None and "prompts" in keys and "attention_mask" in keys:
-        prompt_width = micro_batch["prompts"].shape[1]
-        return micro_batch["attention_mask"][:, prompt_width:].sum(dim=1)
-    raise ReplayDataError(
-        "responses", "missing (or dense without prompts and attention_mask)", expected=f"the {batch} responses"
-    )
-
-
-def _response_rows(field: Any, lengths: Any, fill: int, name: str) -> Any:
-    """``[B, R, ...]`` response-aligned rows (left-aligned, padded with ``fill``) of a jagged
-    ``[b, r_b, ...]`` or dense ``[B, R, ...]`` field, checked against the response lengths."""
-    import torch
-
-    from ..core.errors import ReplayDataError
-
-    if field.is_nested:
-        got = field.offsets().diff().to(lengths.device)
-        bad = (got != lengths).nonzero()
-        if bad.numel():
-            b = int(bad[0, 0])
-            raise ReplayDataError(
-                name, f"{int(got[b])} rows for a response of {int(lengths[b])} tokens", trajectory=b,
-                expected="one row per response token",
-            )  # fmt: skip
-        return torch.nested.to_padded_tensor(field, fill)
-    if field.dim() < 2 or field.shape[0] != lengths.numel() or field.shape[1] < int(lengths.max()):
-        raise ReplayDataError(
-            name,
-            f"shape {tuple(field.shape)}",
-            expected=f"[{lengths.numel()}, >= {int(lengths.max())}, ...] response-aligned like response_mask",
-        )
-    return field
 
 
 # --------------------------------------------------------------------------- verl.fsdp_support_logprobs
@@ -218,19 +151,13 @@ def support_log_probs(engine: Any, output: Any, output_args: Mapping, micro_batc
     batch, seq = ids.shape
     if seq < 2:
         raise ReplayDataError("input_ids", f"longest sequence {seq} token(s)", expected="prompt and response tokens")
-    response = _response_lengths(micro_batch, batch).to(lengths.device)
-    short = (response >= lengths).nonzero()
-    if short.numel():
-        b = int(short[0, 0])
-        raise ReplayDataError(
-            "responses", f"{int(response[b])} response tokens in a sequence of {int(lengths[b])}", trajectory=b,
-            expected="a prompt of at least one token",
-        )  # fmt: skip
-    support = _response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
+    response = response_lengths(micro_batch, batch).to(lengths.device)
+    check_prompts(response, lengths)
+    support = response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
     if support.dim() != 3:
         raise ReplayDataError(SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W] (jagged [b, r_b, W])")
     check_support_dtype(support.dtype, SUPPORT_KEY)
-    loss_mask = as_mask(_response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
+    loss_mask = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
     width = support.shape[-1]
 
     # Response token t of sequence b sits at grid column lengths[b] - response[b] + t; the loss
@@ -278,21 +205,11 @@ def support_log_probs(engine: Any, output: Any, output_args: Mapping, micro_batc
 
 
 def _in_verl_terms(exc: Any, micro_batch: Any, lengths: Any, response: Any) -> Any:
-    """The error of the plugin's grid in verl's terms: the batch field, the micro-batch row (and
-    its ``uid``), the token's index within its response."""
-    from ..core.errors import ReplayDataError
-
+    """The error of the plugin's grid in verl's terms (grid column -> response token)."""
     if exc.trajectory is None or exc.token is None:
         return exc
     b = exc.trajectory
-    token = exc.token - int(lengths[b] - response[b] - 1)  # grid column -> response token
-    field = {"support_ids": SUPPORT_KEY, "loss_mask": "loss_mask", "input_ids": "responses"}.get(exc.field, exc.field)
-    uid = _non_tensor(micro_batch, "uid", None)
-    where = f"micro-batch row {b}"
-    if uid is not None and len(uid) > b:
-        where += f", uid {getattr(uid[b], 'data', uid[b])}"
-    problem = str(exc).split(": ", 1)[-1]
-    return ReplayDataError(field, f"{problem} [{where}]", trajectory=b, token=token)
+    return in_verl_terms(exc, micro_batch, b, exc.token - int(lengths[b] - response[b] - 1))
 
 
 def _prepare_model_outputs(wrapped, instance, args, kwargs):

@@ -12,7 +12,10 @@ versions and the rest are in compat_matrix.yaml. Driven by verl's batch and conf
 * ``verl.fsdp_support_logprobs`` on the FSDP engine's ``prepare_model_outputs``: log-probs over
   the rollout's support when the batch carries ``rollout_sample_support``;
 * ``verl.fsdp_routes`` on the FSDP engine's ``forward_backward_batch`` / ``forward_step``: R3
-  with verl's ``router_replay.mode: R3`` and the batch's ``routed_experts``.
+  with verl's ``router_replay.mode: R3`` and the batch's ``routed_experts``;
+* ``verl.megatron_support_logprobs`` on the Megatron engine's ``forward_step`` and verl's Megatron
+  forward function: log-probs over the rollout's support when the batch carries
+  ``rollout_sample_support`` (R3 on Megatron stays verl's own ``RouterReplay``).
 
 The Ulysses N-D partition patch verl needs for routes (``ulysses.nd_partition``) lives in the
 FSDP pack. Loading this pack imports nothing but the plugin's machinery.
@@ -30,6 +33,7 @@ PATCHES = {
     "verl.rollout_support_batch": Patch("replay_plugin.verl.agent_loop"),
     "verl.fsdp_support_logprobs": Patch(f"{_ENGINE}:install_support_logprobs"),
     "verl.fsdp_routes": Patch(f"{_ENGINE}:install_routes"),
+    "verl.megatron_support_logprobs": Patch("replay_plugin.verl.megatron_engine"),
 }
 
 

@@ -38,7 +38,7 @@ def test_as_dict_carries_the_rows_in_v1_batches():
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
     from replay_plugin.verl import agent_loop as al
-    from replay_plugin.verl import fsdp_engine, turns
+    from replay_plugin.verl import engine_batch, turns
 
     assert "rollout_sample_support" not in _output([1, 2], [5, 6], [1, 1]).as_dict()  # outside a training trajectory
 
@@ -60,7 +60,7 @@ def test_as_dict_carries_the_rows_in_v1_batches():
     td = list_of_dict_to_tensordict(samples)
     field = td["rollout_sample_support"]
     assert field.is_nested and field.offsets().diff().tolist() == [4, 2]  # jagged like rollout_log_probs
-    rows = fsdp_engine._response_rows(field, torch.tensor([4, 2]), -1, "rollout_sample_support")
+    rows = engine_batch.response_rows(field, torch.tensor([4, 2]), -1, "rollout_sample_support")
     assert rows.shape == (2, 4, 3) and rows[1, :2].tolist() == [[8, 9, -1], [9, 10, -1]]
 
     # a second output of the same trajectory cannot be told apart from the first: refused

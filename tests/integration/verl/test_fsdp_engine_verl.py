@@ -326,10 +326,10 @@ def test_jagged_routes_must_line_up_with_each_sequence():
     from tensordict import TensorDict
 
     from replay_plugin.core.errors import ReplayDataError
-    from replay_plugin.verl import fsdp_engine
+    from replay_plugin.verl import engine_batch, fsdp_engine
 
     ids = torch.nested.nested_tensor_from_jagged(torch.arange(7), offsets=torch.tensor([0, 3, 7]))
-    _, _, indices, lengths = fsdp_engine.batch_grid(ids)
+    _, _, indices, lengths = engine_batch.batch_grid(ids)
     good = torch.nested.nested_tensor_from_jagged(torch.zeros(7, 2, 2), offsets=torch.tensor([0, 3, 7]))
     shifted = torch.nested.nested_tensor_from_jagged(torch.zeros(7, 2, 2), offsets=torch.tensor([0, 4, 7]))
     rows = fsdp_engine._per_token_rows(TensorDict({"r": good}, batch_size=[2]), "r", indices, lengths)

@@ -66,7 +66,8 @@ prompt_length=None, response_length=None, response_fields=(), **extra_fields)``
 mini_batch_size=None, actor_overrides=None, loss_function=None, enable_routing_replay=None)``
     One ``update_actor``: ``TrainingWorker.train_mini_batch`` (``tu.make_iterator``) and
     ``train_batch`` (default keys, ``engine.train_mode()``, ``engine.train_batch``, lr scheduler
-    step) with ``partial(ppo_loss, config=FSDPActorConfig(..., **actor_overrides))`` (its
+    step) with ``partial(ppo_loss, config=FSDPActorConfig(..., **actor_overrides))``
+    (``McoreActorConfig`` for a Megatron engine; its
     ``calculate_entropy`` / ``entropy_coeff``, ``ppo_epochs``, ``data_loader_seed``, ``shuffle``
     set the batch fields as ``_update_actor`` does). ``old_log_probs`` /
     ``advantages``: per-sample 1-D sequences or ``[B, R]``; defaults: the batch's own fields if
@@ -668,7 +669,7 @@ def train_step(
     import torch
     from tensordict import NonTensorData
     from verl.utils import tensordict_utils as tu
-    from verl.workers.config import FSDPActorConfig
+    from verl.workers.config import FSDPActorConfig, McoreActorConfig
     from verl.workers.utils.losses import ppo_loss
 
     td = _copy(batch)
@@ -681,13 +682,16 @@ def train_step(
             advantages = td["response_mask"].float()
         td["advantages"] = _response_tensor("advantages", advantages, td)
     mini = mini_batch_size or td.batch_size[0]
-    actor_config = FSDPActorConfig(
+    megatron = engine.engine_config.strategy == "megatron"
+    actor_kwargs: dict[str, Any] = (
+        {} if megatron else {"use_torch_compile": False, "use_remove_padding": engine.model_config.use_remove_padding}
+    )
+    actor_config = (McoreActorConfig if megatron else FSDPActorConfig)(
         strategy=engine.engine_config.strategy,
         ppo_mini_batch_size=mini,
         ppo_micro_batch_size_per_gpu=engine.engine_config.micro_batch_size_per_gpu,
         rollout_n=1,
-        use_remove_padding=engine.model_config.use_remove_padding,
-        use_torch_compile=False,
+        **actor_kwargs,
         **(actor_overrides or {}),
     )
     if loss_function is None:

@@ -1,0 +1,262 @@
+"""verl 0.9.1's own Megatron engine (``MegatronEngineWithLMHead``, megatron-core 0.16.1 on gloo, CPU)
+with the plugin's ``verl.megatron_support_logprobs`` (issue 31 item 3, the Megatron part), and verl's
+own routed-expert replay (``router_replay.mode: R3``, verl's ``RouterReplay``) beside it.
+
+The model is built by the harness (``verl_megatron``: verl's bridges need Transformer Engine), the
+rollout is a top-k sampler over the same float32 weights (each response token's support row is the
+set the sampler could draw, its logprob the sampler's); the batch goes through verl's own
+``DataProto.to_tensordict`` and ``left_right_2_no_padding``, then the engine's ``infer_batch`` (the
+``compute_log_prob`` path, THD packed and BSHD padded layouts, TP 1 and 2) and ``train_batch`` with
+``ppo_loss`` and Megatron's own DDP and Adam. Every scenario runs in fresh interpreters (the installed
+wheel active); the patch is switched off by its environment variable to show stock verl.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fsdp"))
+
+import fsdp_harness  # noqa: E402
+from conftest import need  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+TOP_K = 4
+WIDTH = 6  # rows W = top_k + 2, -1 padded
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
+RESPONSE = 8
+OFF = {"REPLAY_PLUGIN_VERL_MEGATRON_SUPPORT_LOGPROBS": "0"}
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+def _vm():
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import verl_megatron
+
+    return verl_megatron
+
+
+def _batch(ve, roll, temperature: float, support=None, **fields):
+    import torch
+
+    rows = roll["support"] if support is None else support
+    return ve.make_batch(
+        PROMPTS, roll["responses"], pad_id=0, temperature=temperature, response_fields=("rollout_sample_support",),
+        rollout_sample_support=[torch.as_tensor(r, dtype=torch.int32) for r in rows], **fields,
+    )  # fmt: skip
+
+
+def _ratios(ve, engine, batch, roll, temperature: float, **kw) -> dict:
+    import torch
+
+    got = ve.infer(engine, batch, temperature, **kw)
+    lp = got["log_probs"]
+    rollout = torch.zeros_like(lp)
+    for i, row in enumerate(roll["logprobs"]):
+        rollout[i, : len(row)] = torch.tensor(row)
+    mask = batch["response_mask"].bool()
+    ratio = torch.exp(lp - rollout)[mask]
+    return {
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max_dev": float((ratio - 1).abs().max()),
+        "entropy": got["entropy"][mask].tolist(),
+    }
+
+
+def support_scenario(rank: int, world: int, model_dir: str, temperature: float, tp: int = 1) -> dict:
+    """The engine's response logprobs against the sampler's, in the THD (remove-padding) and BSHD
+    layouts; the full-vocabulary reference; one PPO step (Megatron's DDP and Adam) with the rollout's
+    logprobs as old logprobs."""
+    import torch
+
+    vm = _vm()
+    ve = vm.setup(rank, world, tp=tp)
+    vm.save_model_dir(model_dir)
+    sampler = vm.build_model("float32", sequence_parallel=False)
+    roll = vm.rollout(sampler, PROMPTS, RESPONSE, TOP_K, WIDTH, temperature, seed=11)
+    batch = _batch(ve, roll, temperature)
+    full = vm.response_logprobs(sampler, PROMPTS, roll["responses"], temperature)
+    model = vm.build_model("float32")  # the same weights (sequence parallel with TP, as verl)
+    full_ratio = torch.cat([torch.exp(f - torch.tensor(r)) for f, r in zip(full, roll["logprobs"], strict=True)])
+    out = {"full_ratio_mean": float(full_ratio.mean())}
+    for layout, rmpad in (("thd", True), ("bshd", False)):
+        engine = vm.build_engine(model, model_dir, use_remove_padding=rmpad, micro_batch_size=2)
+        out[layout] = _ratios(ve, engine, batch, roll, temperature)
+    trainer = vm.build_model("float32")
+    engine = vm.build_engine(trainer, model_dir, micro_batch_size=2, optimizer=True)
+    step = ve.train_step(engine, batch, old_log_probs=roll["logprobs"], temperature=temperature)
+    out["loss"], out["grad_norm"] = step["loss"], step["grad_norm"]
+    out["ppo_kl"] = step["metrics"].get("actor/ppo_kl")
+    return out
+
+
+def routes_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """A bfloat16 engine scoring the float32 rollout, with the rollout's rows: the share of the
+    tokens (all but each sequence's last, which verl's R3 mask leaves native) whose experts, in
+    every MoE layer, are the rollout's, without and with verl's own R3, and the ratio; then a
+    float32 PPO step with both replays."""
+    import torch
+
+    vm = _vm()
+    ve = vm.setup(rank, world)
+    vm.save_model_dir(model_dir)
+    rollout_model = vm.build_model("float32", r3=True)
+    roll = vm.rollout(rollout_model, PROMPTS, RESPONSE, TOP_K, WIDTH, 1.0, seed=7)
+    batch = _batch(ve, roll, 1.0, routed_experts=roll["routes"])
+    lengths = [len(p) + len(r) for p, r in zip(PROMPTS, roll["responses"], strict=True)]
+    keep = torch.ones(sum(lengths), dtype=torch.bool)
+    keep[torch.tensor(lengths).cumsum(0) - 1] = False
+    want = torch.cat(roll["routes"]).long()
+    trainer = vm.build_model("bfloat16", r3=True)
+    trainer.load_state_dict(rollout_model.state_dict())
+    out = {}
+    for mode in ("disabled", "R3"):
+        engine = vm.build_engine(trainer, model_dir, router_replay_mode=mode, micro_batch_size=len(PROMPTS))
+        spy = vm.route_spy(trainer)
+        try:
+            out[mode] = _ratios(ve, engine, batch, roll, 1.0, enable_routing_replay=mode == "R3")
+            got = spy.routes(sum(lengths))  # THD, TP 1: the packed rows in sequence order
+        finally:
+            spy.close()
+        out[mode]["agreement"] = float((got == want).all(-1).all(-1)[keep].float().mean())
+    engine = vm.build_engine(rollout_model, model_dir, router_replay_mode="R3", micro_batch_size=2, optimizer=True)
+    step = ve.train_step(engine, batch, old_log_probs=roll["logprobs"], enable_routing_replay=True)
+    out["loss"], out["ppo_kl"] = step["loss"], step["metrics"].get("actor/ppo_kl")
+    return out
+
+
+def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """A row without its sampled token, unsigned rows, fused kernels, and a verl whose forward
+    step would not score through the patched forward function."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    from replay_plugin.core.errors import NotReplayable, ReplayDataError
+
+    vm = _vm()
+    ve = vm.setup(rank, world)
+    vm.save_model_dir(model_dir)
+    model = vm.build_model("float32")
+    roll = vm.rollout(model, PROMPTS, RESPONSE, TOP_K, WIDTH, 1.0, seed=5)
+    engine = vm.build_engine(model, model_dir, micro_batch_size=2)
+    out = {}
+
+    def attempt(name, batch, errors=(ReplayDataError, NotReplayable), **kw):
+        try:
+            ve.infer(engine, batch, **kw)
+            out[name] = None
+        except errors as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+
+    bad = [list(map(list, rows)) for rows in roll["support"]]
+    token = roll["responses"][2][3]
+    bad[2][3] = [i for i in range(TOP_K + 1) if i != token][:TOP_K] + [-1] * (WIDTH - TOP_K)
+    attempt("missing", _batch(ve, roll, 1.0, support=bad))
+    unsigned = ve.make_batch(
+        PROMPTS, roll["responses"], pad_id=0, response_fields=("rollout_sample_support",),
+        rollout_sample_support=[torch.tensor(r).to(torch.uint8) for r in roll["support"]],
+    )  # fmt: skip
+    attempt("unsigned", unsigned, errors=(ReplayDataError, TypeError))
+    fused = _batch(ve, roll, 1.0)
+    tu.assign_non_tensor(fused, use_fused_kernels=True)
+    engine = vm.build_engine(model, model_dir, micro_batch_size=2, use_fused_kernels=True)
+    attempt("fused", fused, errors=(Exception,))
+    engine = vm.build_engine(model, model_dir, micro_batch_size=2)
+    # a verl whose forward_step reached its forward function some other way: the rows would go
+    # unused, and the patch says so instead of returning full-vocabulary numbers
+    from verl.models.mcore import registry
+
+    patched = registry.gptmodel_forward_model_engine
+    registry.gptmodel_forward_model_engine = getattr(patched, "__wrapped__", patched)
+    try:
+        attempt("bypassed", _batch(ve, roll, 1.0))
+    finally:
+        registry.gptmodel_forward_model_engine = patched
+    return out
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("verl_megatron") / "model")
+
+
+def _run(scenario, env=None, world=1, **kwargs):
+    values = fsdp_harness.run_ranks(scenario, world, env=env, timeout=600, **kwargs)
+    return values[0]
+
+
+def test_verl_megatron_engine_scores_over_the_rollouts_support(model_dir):
+    """Stock verl's Megatron engine scores the top-k rollout over the full vocabulary (the ratio
+    against the sampler's logprobs is the support's mass, far below 1); with the plugin the engine's
+    compute_log_prob path gives ratio 1 within 1e-5 in the THD and BSHD layouts and with the
+    vocabulary split over two tensor-parallel ranks, verl's entropy is unchanged, and a PPO step
+    with the rollout's logprobs as old logprobs sees no policy change and a finite loss."""
+    need("verl")
+    need("megatron-core")
+    stock = _run(support_scenario, OFF, model_dir=model_dir, temperature=0.7)
+    plugin = _run(support_scenario, model_dir=model_dir, temperature=0.7)
+    tp2 = _run(support_scenario, world=2, model_dir=model_dir, temperature=0.7, tp=2)
+    print(
+        f"verl Megatron engine, top-{TOP_K} rollout at T=0.7: stock ratio mean {stock['thd']['ratio_mean']:.4f} "
+        f"(max |r-1| {stock['thd']['ratio_max_dev']:.3f}, full-vocabulary {stock['full_ratio_mean']:.4f}), ppo_kl "
+        f"{stock['ppo_kl']:.3g}; plugin THD mean {plugin['thd']['ratio_mean']:.6f} max |r-1| "
+        f"{plugin['thd']['ratio_max_dev']:.2e}, BSHD {plugin['bshd']['ratio_max_dev']:.2e}, TP=2 "
+        f"{tp2['thd']['ratio_max_dev']:.2e}; ppo_kl {plugin['ppo_kl']:.3g}, loss {plugin['loss']}, grad norm "
+        f"{plugin['grad_norm']:.3f}"
+    )
+    for layout in ("thd", "bshd"):
+        assert abs(stock[layout]["ratio_mean"] - stock["full_ratio_mean"]) < 1e-4  # stock: the full vocabulary
+        assert stock[layout]["ratio_mean"] < 0.5 and stock[layout]["ratio_max_dev"] > 0.05
+        assert plugin[layout]["ratio_max_dev"] < 1e-5 and tp2[layout]["ratio_max_dev"] < 1e-5
+        assert plugin[layout]["entropy"] == pytest.approx(stock[layout]["entropy"], abs=1e-5)  # verl's own
+    assert abs(plugin["ppo_kl"]) < 1e-5 < abs(stock["ppo_kl"])
+    assert plugin["loss"] == plugin["loss"] and abs(plugin["loss"]) < 1e3  # finite
+    assert plugin["grad_norm"] == plugin["grad_norm"] and plugin["grad_norm"] > 0
+
+
+def test_verl_megatron_r3_and_support_replay_together(model_dir):
+    """verl's own R3 on its Megatron engine runs beside the plugin (its Megatron patches and the
+    support patch applied): a bfloat16 trainer routes some tokens elsewhere than the float32
+    rollout without R3 and none with it, while the support patch keeps the ratio at 1 up to the
+    bfloat16 rounding; a float32 PPO step with both replays has a finite loss and ppo_kl ~ 0."""
+    need("verl")
+    need("megatron-core")
+    out = _run(routes_scenario, model_dir=model_dir)
+    print(
+        f"verl Megatron engine, bf16 trainer: route agreement without R3 {100 * out['disabled']['agreement']:.1f}%, "
+        f"with verl's R3 {100 * out['R3']['agreement']:.1f}%; ratio mean {out['R3']['ratio_mean']:.5f} "
+        f"(max |r-1| {out['R3']['ratio_max_dev']:.3g}); PPO step loss {out['loss']}, ppo_kl {out['ppo_kl']:.3g}"
+    )
+    assert out["disabled"]["agreement"] < 1.0
+    assert out["R3"]["agreement"] == 1.0
+    assert abs(out["R3"]["ratio_mean"] - 1) < 0.01 and out["R3"]["ratio_max_dev"] < 0.05
+    assert out["loss"] == out["loss"] and abs(out["ppo_kl"]) < 1e-5
+
+
+def test_verl_megatron_engine_refuses_rows_it_cannot_replay(model_dir):
+    """A support row without its sampled token is refused naming the field, the micro-batch row,
+    its uid and the response token; unsigned rows (a -1 pad reads as 255) and fused kernels too; a
+    micro-batch whose rows the forward path did not use is refused rather than scored over the full
+    vocabulary. Stock verl returns numbers for the others (its fused forward does not run on CPU)."""
+    need("verl")
+    need("megatron-core")
+    out = _run(refusal_scenario, model_dir=model_dir)
+    print(out)
+    assert out["missing"] and "'rollout_sample_support', trajectory 0, token 3" in out["missing"], out
+    assert "uid uid-2" in out["missing"] and "micro-batch row 0" in out["missing"], out
+    assert out["unsigned"] and "signed" in out["unsigned"], out
+    assert out["fused"] and out["fused"].startswith("NotReplayable") and "use_fused_kernels=false" in out["fused"]
+    assert out["bypassed"] and "was not scored" in out["bypassed"], out
+    stock = _run(refusal_scenario, OFF, model_dir=model_dir)
+    assert stock["missing"] is None and stock["unsigned"] is None and stock["bypassed"] is None, stock
