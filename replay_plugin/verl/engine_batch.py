@@ -10,6 +10,7 @@ functions that are handed verl's objects.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..core.errors import ReplayDataError
@@ -23,6 +24,14 @@ def non_tensor(data: Any, key: str, default: Any) -> Any:
     from verl.utils import tensordict_utils as tu
 
     return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+def replay_mode(engine: Any) -> str:
+    """The engine config's ``router_replay.mode`` (an object, or the plain mapping Hydra builds
+    from a ``+...router_replay.mode=R3`` override); ``"disabled"`` when absent."""
+    rr = getattr(getattr(engine, "engine_config", None), "router_replay", None)
+    mode = rr.get("mode") if isinstance(rr, Mapping) else getattr(rr, "mode", None)
+    return str(mode or "disabled")
 
 
 def batch_grid(input_ids: Any) -> tuple[Any, Any, Any, Any]:

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import batch_grid, check_prompts, in_verl_terms, response_lengths, response_rows
+from .engine_batch import batch_grid, check_prompts, in_verl_terms, replay_mode, response_lengths, response_rows
 from .engine_batch import non_tensor as _non_tensor
 from .switch import SUPPORT_KEY
 
@@ -243,14 +243,6 @@ def install_support_logprobs(patcher: Patcher) -> None:
 
 
 # --------------------------------------------------------------------------- verl.fsdp_routes
-
-
-def replay_mode(engine: Any) -> str:
-    """The engine config's ``router_replay.mode`` (an object, or the plain mapping Hydra builds
-    from a ``+...router_replay.mode=R3`` override); ``"disabled"`` when absent."""
-    rr = getattr(getattr(engine, "engine_config", None), "router_replay", None)
-    mode = rr.get("mode") if isinstance(rr, Mapping) else getattr(rr, "mode", None)
-    return str(mode or "disabled")
 
 
 def route_scope(engine: Any, micro_batch: Any) -> Any:

@@ -15,7 +15,13 @@ versions and the rest are in compat_matrix.yaml. Driven by verl's batch and conf
   with verl's ``router_replay.mode: R3`` and the batch's ``routed_experts``;
 * ``verl.megatron_support_logprobs`` on the Megatron engine's ``forward_step`` and verl's Megatron
   forward function: log-probs over the rollout's support when the batch carries
-  ``rollout_sample_support`` (R3 on Megatron stays verl's own ``RouterReplay``).
+  ``rollout_sample_support`` (R3 on Megatron stays verl's own ``RouterReplay``);
+* ``verl.megatron_r3_layout`` on the Megatron engine's ``forward_backward_batch``: verl's own R3
+  with the padded layout and several sequences per micro-batch is refused (it replays other
+  tokens' routes);
+
+* ``verl.engine_support_guard`` on ``BaseEngine.infer_batch`` / ``train_batch``: a batch with rows
+  is refused by an engine no applied patch makes score over them.
 
 The Ulysses N-D partition patch verl needs for routes (``ulysses.nd_partition``) lives in the
 FSDP pack. Loading this pack imports nothing but the plugin's machinery.
@@ -34,6 +40,8 @@ PATCHES = {
     "verl.fsdp_support_logprobs": Patch(f"{_ENGINE}:install_support_logprobs"),
     "verl.fsdp_routes": Patch(f"{_ENGINE}:install_routes"),
     "verl.megatron_support_logprobs": Patch("replay_plugin.verl.megatron_engine"),
+    "verl.megatron_r3_layout": Patch("replay_plugin.verl.megatron_r3_layout"),
+    "verl.engine_support_guard": Patch("replay_plugin.verl.engine_guard"),
 }
 
 

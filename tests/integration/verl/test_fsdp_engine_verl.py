@@ -33,7 +33,7 @@ TOP_K = 4
 WIDTH = 6  # rows W = top_k + 2: -1 padded, as the plugin's rows are wider than top_k
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
 RESPONSE = 8
-OFF_SUPPORT = {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0"}
+OFF_SUPPORT = {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0", "REPLAY_PLUGIN_VERL_ENGINE_SUPPORT_GUARD": "0"}  # stock
 OFF_ROUTES = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0"}
 
 
@@ -217,6 +217,35 @@ def routes_scenario(rank: int, world: int, model_dir: str, mode: str | None, gra
     }
 
 
+def guard_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """compute_log_prob on a batch with rows (refused or scored), and the guard's verdict on engine
+    classes of verl that the plugin does not make score over rows (a value head needs none)."""
+    ve = _ve()  # before verl's engine modules are imported
+
+    from verl.workers.engine.fsdp.fsdp_turbo_impl import FSDPTurboEngineWithLMHead
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
+
+    from replay_plugin.core.errors import NotReplayable
+    from replay_plugin.verl import engine_guard
+
+    model = _model(ve, model_dir)
+    roll = _rollout(model, 1.0, seed=5)
+    engine = ve.build_engine(model_dir, micro_batch_size=2)
+    out = {}
+    try:
+        ve.infer(engine, _batch(ve, roll, 1.0))
+        out["infer"] = None
+    except NotReplayable as exc:
+        out["infer"] = f"{exc.setting}: {exc}"
+    for cls in (FSDPTurboEngineWithLMHead, FSDPEngineWithValueHead):
+        try:
+            engine_guard.check_engine(object.__new__(cls))
+            out[cls.__name__] = None
+        except NotReplayable as exc:
+            out[cls.__name__] = f"{exc.setting}: {exc}"
+    return out
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -336,3 +365,19 @@ def test_jagged_routes_must_line_up_with_each_sequence():
     assert tuple(rows.shape) == (7, 2, 2)
     with pytest.raises(ReplayDataError, match="trajectory 0: 4 rows for a sequence of 3 tokens"):
         fsdp_engine._per_token_rows(TensorDict({"r": shifted}, batch_size=[2]), "r", indices, lengths)
+
+
+def test_rows_no_patch_scores_are_refused(model_dir):
+    """verl.engine_support_guard: with the FSDP support patch switched off, verl's engine would
+    score the batch's rows over the full vocabulary, silently: refused naming the variable. An
+    engine class the plugin does not make score over rows (FSDP-Turbo) is refused naming it; a
+    value head (the critic) passes."""
+    need("verl")
+    out = _one(guard_scenario, {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0"}, model_dir=model_dir)
+    print(out)
+    assert out["infer"] and out["infer"].startswith("REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS:"), out
+    assert "is disabled" in out["infer"], out
+    assert out["FSDPTurboEngineWithLMHead"] and "strategy fsdp / fsdp2" in out["FSDPTurboEngineWithLMHead"], out
+    assert out["FSDPEngineWithValueHead"] is None
+    plugin = _one(guard_scenario, model_dir=model_dir)
+    assert plugin["infer"] is None

@@ -30,7 +30,11 @@ TOP_K = 4
 WIDTH = 6  # rows W = top_k + 2, -1 padded
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
 RESPONSE = 8
-OFF = {"REPLAY_PLUGIN_VERL_MEGATRON_SUPPORT_LOGPROBS": "0"}
+OFF = {
+    "REPLAY_PLUGIN_VERL_MEGATRON_SUPPORT_LOGPROBS": "0",
+    "REPLAY_PLUGIN_VERL_ENGINE_SUPPORT_GUARD": "0",
+}  # stock verl
+SUPPORT_PATCH_OFF = {"REPLAY_PLUGIN_VERL_MEGATRON_SUPPORT_LOGPROBS": "0"}  # the guard on
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -183,6 +187,57 @@ def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
     return out
 
 
+def guard_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """The engine's compute_log_prob on a batch with rows: refused or scored."""
+    from replay_plugin.core.errors import NotReplayable
+
+    vm = _vm()
+    ve = vm.setup(rank, world)
+    vm.save_model_dir(model_dir)
+    model = vm.build_model("float32")
+    roll = vm.rollout(model, PROMPTS, RESPONSE, TOP_K, WIDTH, 1.0, seed=5)
+    engine = vm.build_engine(model, model_dir, micro_batch_size=2)
+    try:
+        ve.infer(engine, _batch(ve, roll, 1.0))
+        return {"refused": None}
+    except NotReplayable as exc:
+        return {"refused": str(exc), "setting": exc.setting}
+
+
+def r3_layout_scenario(rank: int, world: int, model_dir: str, micro_batch_size: int) -> dict:
+    """verl's R3 in the padded (BSHD) layout, sequences of one length: the share of tokens (all but
+    each sequence's last) on the rollout's experts, read in the routers' sequence-major order."""
+    from replay_plugin.core.errors import NotReplayable
+
+    vm = _vm()
+    ve = vm.setup(rank, world)
+    vm.save_model_dir(model_dir)
+    model = vm.build_model("float32", r3=True)
+    prompts = [p[:2] for p in PROMPTS]  # one length: verl does not fail on a shape mismatch first
+    roll = vm.rollout(model, prompts, RESPONSE, TOP_K, WIDTH, 1.0, seed=7)
+    batch = ve.make_batch(prompts, roll["responses"], pad_id=0, routed_experts=roll["routes"])
+    engine = vm.build_engine(
+        model, model_dir, router_replay_mode="R3", use_remove_padding=False, micro_batch_size=micro_batch_size
+    )
+    spy = vm.route_spy(model)
+    try:
+        ve.infer(engine, batch, enable_routing_replay=True)
+    except NotReplayable as exc:
+        return {"refused": str(exc), "setting": exc.setting}
+    finally:
+        spy.close()
+    seq = len(prompts[0]) + RESPONSE
+    same = []
+    for layer, routing_map in sorted(spy.maps.items()):  # the last micro-batch's [S * b, E]
+        b = routing_map.shape[0] // seq
+        got = routing_map.float().topk(vm.TOPK_EXPERTS, -1).indices.sort(-1).values.view(seq, b, -1)
+        first = len(prompts) - b
+        for i in range(b):
+            want = roll["routes"][first + i][:, layer - 1].long()
+            same += (got[: seq - 1, i] == want[: seq - 1]).all(-1).tolist()
+    return {"refused": None, "agreement": sum(same) / len(same)}
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -260,3 +315,36 @@ def test_verl_megatron_engine_refuses_rows_it_cannot_replay(model_dir):
     assert out["bypassed"] and "was not scored" in out["bypassed"], out
     stock = _run(refusal_scenario, OFF, model_dir=model_dir)
     assert stock["missing"] is None and stock["unsigned"] is None and stock["bypassed"] is None, stock
+
+
+def test_rows_no_patch_scores_are_refused(model_dir):
+    """verl.engine_support_guard: with the Megatron support patch switched off, verl's engine would
+    score the batch's rows over the full vocabulary, silently; the guard refuses it naming the
+    variable. (Stock verl with both off returns numbers: the stock runs above.)"""
+    need("verl")
+    need("megatron-core")
+    out = _run(guard_scenario, SUPPORT_PATCH_OFF, model_dir=model_dir)
+    print(out)
+    assert out["refused"] and out["setting"] == "REPLAY_PLUGIN_VERL_MEGATRON_SUPPORT_LOGPROBS", out
+    assert "is disabled" in out["refused"] and "full vocabulary" in out["refused"], out
+    assert _run(guard_scenario, model_dir=model_dir) == {"refused": None}
+
+
+def test_verl_r3_in_the_padded_layout(model_dir):
+    """verl.megatron_r3_layout: verl's own R3 with use_remove_padding=false replays other tokens'
+    routes when a micro-batch holds several sequences (upstream, patch off: far from 100% of the
+    tokens on their experts); the patch refuses it naming the key; one sequence per micro-batch
+    replays every token and passes."""
+    need("verl")
+    need("megatron-core")
+    upstream = _run(r3_layout_scenario, {"REPLAY_PLUGIN_VERL_MEGATRON_R3_LAYOUT": "0"}, model_dir=model_dir,
+                    micro_batch_size=4)  # fmt: skip
+    plugin = _run(r3_layout_scenario, model_dir=model_dir, micro_batch_size=4)
+    single = _run(r3_layout_scenario, model_dir=model_dir, micro_batch_size=1)
+    print(
+        f"verl R3, BSHD, 4 sequences per micro-batch: {100 * upstream['agreement']:.1f}% of tokens on their experts "
+        f"(patch off); patch: {plugin['refused']}; one per micro-batch: {100 * single['agreement']:.1f}%"
+    )
+    assert upstream["agreement"] < 0.5
+    assert plugin["setting"] == "actor_rollout_ref.model.use_remove_padding", plugin
+    assert single["refused"] is None and single["agreement"] == 1.0

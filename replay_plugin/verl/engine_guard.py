@@ -1,0 +1,84 @@
+"""Patch ``verl.engine_support_guard``: a batch carrying the rollout's support rows reaches an engine
+that would score it over the full vocabulary, silently.
+
+Gap (verl 0.9.1 with the plugin's switch): the rows (``rollout_sample_support``) ride verl's batch
+to every engine, but only two of verl's engines score over them, through the plugin's patches:
+``FSDPEngineWithLMHead`` (``verl.fsdp_support_logprobs``) and ``MegatronEngineWithLMHead``
+(``verl.megatron_support_logprobs``). verl's other language-model engines (VeOmni, TorchTitan,
+Automodel, MindSpeed, ...) ignore an unknown batch field, and so do the two supported engines
+when their patch is switched off, is outside its version range or failed to apply: the job would
+train on full-vocabulary log-probs while the user asked for the support's.
+
+The guard wraps ``BaseEngine.infer_batch`` and ``BaseEngine.train_batch``, the two entries every
+verl engine inherits (``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor`` and the
+critic all go through them): a batch with rows is refused with an error naming the engine and the
+fix unless the engine's scoring patch is applied. Value-head engines (the critic) score no
+log-probs and pass. Batches without rows are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..patcher import Patcher
+from .switch import PREFIX, SUPPORT_KEY, SWITCH
+
+#: (engine module, class name) -> the patch that makes that engine score over the support rows
+CONSUMERS = {
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead"): "verl.fsdp_support_logprobs",
+    ("verl.workers.engine.megatron.transformer_impl", "MegatronEngineWithLMHead"): "verl.megatron_support_logprobs",
+}
+
+
+def consumer(engine: Any) -> str | None:
+    """The patch that scores ``engine``'s batches over the support rows, or None (an engine of
+    another module or class, including subclasses that reuse the method: their layout is theirs)."""
+    cls = type(engine)
+    return CONSUMERS.get((cls.__module__, cls.__name__))
+
+
+def _value_head(engine: Any) -> bool:
+    return "ValueHead" in type(engine).__name__ or bool(getattr(engine, "is_value_model", False))
+
+
+def check_engine(engine: Any) -> None:
+    """Refuse (``NotReplayable``) an engine that would not score a batch with rows over them."""
+    from .. import states
+    from ..core.errors import NotReplayable
+    from ..spec import toggle_name
+
+    if _value_head(engine):
+        return
+    cls = type(engine)
+    patch = consumer(engine)
+    if patch is None:
+        raise NotReplayable(
+            "strategy",
+            f"the batch carries {SUPPORT_KEY} ({PREFIX}{SWITCH}=true) but {cls.__name__} ({cls.__module__}) scores "
+            "over the full vocabulary: the plugin replays the support on verl's FSDP engine (strategy fsdp / fsdp2) "
+            "and Megatron engine (strategy megatron); use one of them, or drop the switch",
+            value=cls.__name__,
+        )
+    st = states.get(patch)
+    if st is not None and st.state == "applied":
+        return
+    state, reason = (st.state, st.reason) if st is not None else ("not registered", "")
+    raise NotReplayable(
+        toggle_name(patch),
+        f"the batch carries {SUPPORT_KEY} ({PREFIX}{SWITCH}=true) but patch {patch}, which makes {cls.__name__} score "
+        f"over it, is {state}{f' ({reason})' if reason else ''}: the engine would score over the full vocabulary. "
+        f"Enable the patch ({toggle_name(patch)}=1, a supported verl version), or drop the switch",
+        value=state,
+    )
+
+
+def _guarded(wrapped, instance, args, kwargs):
+    data = args[0] if args else kwargs.get("data")
+    if data is not None and SUPPORT_KEY in data.keys():
+        check_engine(instance)
+    return wrapped(*args, **kwargs)
+
+
+def install(patcher: Patcher) -> None:
+    patcher.wrap("BaseEngine.infer_batch", _guarded)
+    patcher.wrap("BaseEngine.train_batch", _guarded)
