@@ -103,6 +103,22 @@ def response_rows(field: Any, lengths: Any, fill: int, name: str) -> Any:
     return field
 
 
+def response_support(micro_batch: Any, lengths: Any) -> tuple[Any, Any, Any]:
+    """``(response [B], support [B, R, W], loss [B, R] bool)`` of a micro-batch whose sequences
+    have ``lengths`` tokens: each response's length (checked to leave a prompt), its support rows
+    (signed integers, ``-1`` padded; :data:`SUPPORT_KEY`) and its loss mask, response-aligned."""
+    from ..core.inputs import as_mask, check_support_dtype
+
+    response = response_lengths(micro_batch, int(lengths.numel())).to(lengths.device)
+    check_prompts(response, lengths)
+    support = response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
+    if support.dim() != 3:
+        raise ReplayDataError(SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W] (jagged [b, r_b, W])")
+    check_support_dtype(support.dtype, SUPPORT_KEY)
+    loss = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
+    return response, support, loss
+
+
 def in_verl_terms(exc: ReplayDataError, micro_batch: Any, row: int, token: int) -> ReplayDataError:
     """``exc`` (raised on the plugin's own layout) about micro-batch row ``row``, response token
     ``token``: the verl batch field, the row and its ``uid``."""

@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import batch_grid, check_prompts, in_verl_terms, replay_mode, response_lengths, response_rows
+from .engine_batch import batch_grid, in_verl_terms, replay_mode, response_support
 from .engine_batch import non_tensor as _non_tensor
 from .switch import SUPPORT_KEY
 
@@ -142,7 +142,6 @@ def support_log_probs(engine: Any, output: Any, output_args: Mapping, micro_batc
     import torch.nn.functional as F
 
     from ..core.errors import NotReplayable, ReplayDataError
-    from ..core.inputs import as_mask, check_support_dtype
     from ..fsdp import response_logprobs
 
     packed = bool(_non_tensor(micro_batch, "use_remove_padding", True))
@@ -151,13 +150,7 @@ def support_log_probs(engine: Any, output: Any, output_args: Mapping, micro_batc
     batch, seq = ids.shape
     if seq < 2:
         raise ReplayDataError("input_ids", f"longest sequence {seq} token(s)", expected="prompt and response tokens")
-    response = response_lengths(micro_batch, batch).to(lengths.device)
-    check_prompts(response, lengths)
-    support = response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
-    if support.dim() != 3:
-        raise ReplayDataError(SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W] (jagged [b, r_b, W])")
-    check_support_dtype(support.dtype, SUPPORT_KEY)
-    loss_mask = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
+    response, support, loss_mask = response_support(micro_batch, lengths)
     width = support.shape[-1]
 
     # Response token t of sequence b sits at grid column lengths[b] - response[b] + t; the loss

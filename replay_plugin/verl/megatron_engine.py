@@ -39,7 +39,7 @@ import contextvars
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import check_prompts, in_verl_terms, non_tensor, response_lengths, response_rows
+from .engine_batch import in_verl_terms, non_tensor, response_lengths, response_support
 from .switch import SUPPORT_KEY
 
 #: the logits-processor arguments the patch adds (verl lays each out like ``label``, unrolled)
@@ -119,19 +119,12 @@ def label_aligned_rows(micro_batch: Any, input_ids: Any) -> dict[str, Any]:
     import torch
 
     from ..core.errors import ReplayDataError
-    from ..core.inputs import as_mask, check_support_dtype
 
     if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
         raise ReplayDataError("input_ids", f"got {type(input_ids).__name__}", expected="verl's jagged [b, j] input_ids")
     offsets = input_ids.offsets()
     lengths = offsets.diff()
-    response = response_lengths(micro_batch, int(lengths.numel())).to(lengths.device)
-    check_prompts(response, lengths)
-    support = response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
-    if support.dim() != 3:
-        raise ReplayDataError(SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W] (jagged [b, r_b, W])")
-    check_support_dtype(support.dtype, SUPPORT_KEY)
-    loss = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
+    response, support, loss = response_support(micro_batch, lengths)
 
     device = input_ids.device
     nnz, width, r_max = int(offsets[-1]), int(support.shape[-1]), int(response.max())
