@@ -8,6 +8,8 @@ versions and the rest are in compat_matrix.yaml. Driven by verl's batch and conf
 * ``verl.rollout_support_batch`` on the agent loop: training requests opt in, every turn's rows
   are kept and aligned with the response, and the sample carries ``rollout_sample_support``
   (V0 ``DataProto`` and V1 TransferQueue);
+* ``verl.rollout_support_padding`` on the V1 trainer's padding template: the no-op samples verl pads
+  a TransferQueue batch with get one row of ``-1``, not the first sample's rows;
 
 * ``verl.fsdp_support_logprobs`` on the FSDP engine's ``prepare_model_outputs``: log-probs over
   the rollout's support when the batch carries ``rollout_sample_support``;
@@ -37,6 +39,7 @@ _ENGINE = "replay_plugin.verl.fsdp_engine"
 PATCHES = {
     "verl.rollout_support_server": Patch("replay_plugin.verl.rollout_server"),
     "verl.rollout_support_batch": Patch("replay_plugin.verl.agent_loop"),
+    "verl.rollout_support_padding": Patch("replay_plugin.verl.tq_padding"),
     "verl.fsdp_support_logprobs": Patch(f"{_ENGINE}:install_support_logprobs"),
     "verl.fsdp_routes": Patch(f"{_ENGINE}:install_routes"),
     "verl.megatron_support_logprobs": Patch("replay_plugin.verl.megatron_engine"),

@@ -104,9 +104,10 @@ def test_environments_cover_every_tested_version():
     assert not found, "\n".join(found)
 
 
-def _drop_upstream(env: str, up: str):
+def _drop_upstream(up: str, *env_names: str):
     def mutate(envs, locks, matrix):
-        envs[env]["upstreams"].remove(up)
+        for env in env_names:
+            envs[env]["upstreams"].remove(up)
 
     return mutate
 
@@ -138,11 +139,11 @@ def _declare(env: str, up: str):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (_drop_upstream("main", "verl"), "verl 0.9.1 is tested"),
-        (_drop_upstream("vllm032", "vllm"), "vllm 0.32.0 is tested"),
+        (_drop_upstream("verl", "main", "verltq"), "verl 0.9.1 is tested"),
+        (_drop_upstream("vllm", "vllm032"), "vllm 0.32.0 is tested"),
         (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0", "0.32.1"]), "vllm 0.32.1 is tested"),
-        (_drop_upstream("vllm031", "vllm"), "vllm 0.31.0 is tested"),
-        (_drop_upstream("megatron018", "megatron-core"), "megatron-core 0.18.2 is tested"),
+        (_drop_upstream("vllm", "vllm031"), "vllm 0.31.0 is tested"),
+        (_drop_upstream("megatron-core", "megatron018"), "megatron-core 0.18.2 is tested"),
         (_pin("megatron017", "megatron-core", "0.17.0"), "env megatron017: pins megatron-core 0.17.0"),
         (_set_tested("megatron-core", ["0.16.1"]), "env py312: pins megatron-core 0.19.2, not a tested version"),
         (_pin("main", "verl", "0.9.2"), "env main: pins verl 0.9.2"),
