@@ -39,7 +39,10 @@ Rows without a route (padding, the last token of each sequence, which the engine
 all-zero rows of a top-k >= 2 model, which verl's agent loop leaves for tokens it did not
 capture) are routed by the model itself. Refused with an error naming the setting: static
 ``pad_to_length`` and fused kernels with either replay (the layout / the logits are not the
-plugin's), ``router_replay.mode: R2`` on FSDP, R3 without ``routed_experts`` in the batch.
+plugin's), ``router_replay.mode: R2`` on FSDP, R3 without ``routed_experts`` in the batch, and
+Ulysses sequence parallelism with an attention other than flash attention (verl 0.9.1 makes only
+transformers' flash-attention path sequence-parallel: with sdpa each rank attends over its own
+slice, and the log-probs are wrong whatever is replayed).
 """
 
 from __future__ import annotations
@@ -81,6 +84,24 @@ def _check_engine(engine: Any, what: str) -> None:
             "the plugin lays the data out by): set pad_to_length false",
             value=True,
         )
+    if getattr(engine, "use_ulysses_sp", False):
+        # verl 0.9.1 makes attention sequence-parallel by replacing transformers' flash-attention
+        # forward only (models/transformers/monkey_patch.py); with sdpa or eager each Ulysses rank
+        # attends over its own slice of the sequence, and the log-probs are wrong, silently (measured:
+        # errors above 1 nat at SP=2). The replay cannot be exact on top of that.
+        model = getattr(engine, "module", None)
+        config = getattr(getattr(model, "module", model), "config", None)
+        attn = str(getattr(config, "_attn_implementation", "") or "")
+        if "flash" not in attn:
+            raise NotReplayable(
+                "attn_implementation",
+                f"{what} with Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) needs a flash "
+                f"attention implementation: verl splits attention over the sequence-parallel ranks only in "
+                f"transformers' flash-attention path, and with attn_implementation={attn or None!r} every rank "
+                "attends over its own slice (wrong log-probs). Set "
+                "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2",
+                value=attn or None,
+            )
 
 
 def _per_token_rows(micro_batch: Any, key: str, indices: Any, lengths: Any) -> Any:

@@ -108,17 +108,52 @@ def _batch(ve, roll, temperature: float, **fields):
     )  # fmt: skip
 
 
-def support_scenario(rank: int, world: int, model_dir: str, temperature: float, remove_padding: bool) -> dict:
+def _trim(roll: dict) -> dict:
+    """Sample 0 one response token shorter: an odd number of tokens, so that verl pads the packed
+    batch for Ulysses SP=2 (its ``ulysses_pad``)."""
+    roll["responses"][0] = roll["responses"][0][:-1]
+    roll["logprobs"][0] = roll["logprobs"][0][:-1]
+    roll["support"][0] = roll["support"][0][:-1]
+    routes = roll["routes"][0][:-1].clone()
+    routes[-1] = 0
+    roll["routes"][0] = routes
+    return roll
+
+
+def _sp_engine_kwargs(sp: int) -> dict:
+    """Ulysses SP: verl's sequence-parallel attention is its flash-attention patch, served on CPU by
+    the harness's ``cpu_flash_attn``; ``attn`` overrides (sdpa: what verl does not split)."""
+    if sp == 1:
+        return {}
+    import cpu_flash_attn
+
+    cpu_flash_attn.install()
+    return {"ulysses_sequence_parallel_size": sp, "attn_implementation": "flash_attention_2"}
+
+
+def support_scenario(
+    rank: int, world: int, model_dir: str, temperature: float, remove_padding: bool, sp: int = 1,
+    micro_batch_size: int = 2, trim: bool = False, attn: str | None = None,
+) -> dict:  # fmt: skip
     """The engine's response logprobs against the sampler's: ratio statistics over every response
-    token, the entropy verl reports, and one PPO step with the rollout's logprobs as old logprobs."""
+    token, the entropy verl reports, and one PPO step with the rollout's logprobs as old logprobs.
+    ``sp``: Ulysses sequence parallelism over ``world`` ranks (``micro_batch_size=4`` puts a sequence
+    across the two ranks; ``trim`` makes verl pad the packed batch)."""
     import torch
+
+    from replay_plugin.core.errors import NotReplayable
 
     ve = _ve()
     model = _model(ve, model_dir)
     roll = _rollout(model, temperature, seed=11)
+    roll = _trim(roll) if trim else roll
     batch = _batch(ve, roll, temperature)
-    engine = ve.build_engine(model_dir, use_remove_padding=remove_padding, micro_batch_size=2)
-    got = ve.infer(engine, ve.log_prob_batch(batch, temperature=temperature), temperature=temperature)
+    kwargs = _sp_engine_kwargs(sp) | ({"attn_implementation": attn} if attn else {})
+    engine = ve.build_engine(model_dir, use_remove_padding=remove_padding, micro_batch_size=micro_batch_size, **kwargs)
+    try:
+        got = ve.infer(engine, ve.log_prob_batch(batch, temperature=temperature), temperature=temperature)
+    except NotReplayable as exc:
+        return {"refused": f"{exc.setting}: {exc}"}
     lp, entropy = got["log_probs"], got["entropy"]
     rollout = torch.zeros_like(lp)
     for i, row in enumerate(roll["logprobs"]):
@@ -132,8 +167,10 @@ def support_scenario(rank: int, world: int, model_dir: str, temperature: float, 
         "ratio_mean": float(ratio.mean()),
         "ratio_max_dev": float((ratio - 1).abs().max()),
         "full_ratio_mean": float(full_ratio.mean()),
+        "log_probs": lp[mask].tolist(),
         "entropy": entropy[mask].tolist(),
         "loss": step["loss"],
+        "grad_norm": step["grad_norm"],
         "ppo_kl": step["metrics"].get("actor/ppo_kl", step["metrics"].get("ppo_kl")),
         "metric_keys": sorted(step["metrics"]),
     }
@@ -183,10 +220,15 @@ def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
     return out
 
 
-def routes_scenario(rank: int, world: int, model_dir: str, mode: str | None, gradient_checkpointing: bool) -> dict:
+def routes_scenario(
+    rank: int, world: int, model_dir: str, mode: str | None, gradient_checkpointing: bool, sp: int = 1,
+    trim: bool = False,
+) -> dict:  # fmt: skip
     """A bfloat16 engine scoring the float32 rollout: share of the tokens (all but each sequence's
     last) whose experts, every MoE layer, are the rollout's; then one PPO step (forward and
-    backward, the recompute of checkpointed layers included) with its loss and gradient norm."""
+    backward, the recompute of checkpointed layers included) with its loss, gradient norm and the
+    agreement of its last recorded forward (the backward's recompute with checkpointing). With
+    Ulysses ``sp`` each rank compares its own slice of the packed batch."""
     import torch
 
     from replay_plugin.fsdp import record_routes
@@ -195,22 +237,31 @@ def routes_scenario(rank: int, world: int, model_dir: str, mode: str | None, gra
     ve = _ve()
     model = _model(ve, model_dir)
     roll = _rollout(model, 1.0, seed=7)
+    roll = _trim(roll) if trim else roll
     batch = ve.make_batch(PROMPTS, roll["responses"], pad_id=0, routed_experts=roll["routes"])
     engine = ve.build_engine(
         model_dir, dtype="bfloat16", router_replay_mode=mode, micro_batch_size=len(PROMPTS),
-        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing=gradient_checkpointing, **_sp_engine_kwargs(sp),
     )  # fmt: skip
-    with record_routes(engine.module) as rec:
-        ve.infer(engine, ve.log_prob_batch(batch))
-    got = rec.routes.reshape(-1, *rec.routes.shape[-2:]).sort(-1).values
     want = torch.cat([r.long() for r in roll["routes"]]).sort(-1).values
-    keep = torch.ones(got.shape[0], dtype=torch.bool)
+    keep = torch.ones(want.shape[0], dtype=torch.bool)
     ends = torch.tensor([len(p) + len(r) for p, r in zip(PROMPTS, roll["responses"], strict=True)]).cumsum(0) - 1
     keep[ends] = False
-    same = (got == want).all(-1).all(-1)[keep]
-    step = ve.train_step(engine, batch)
+    part = -(-want.shape[0] // sp)  # this rank's slice of the packed batch (verl pads it to sp parts)
+    lo, hi = rank * part, min((rank + 1) * part, want.shape[0])
+
+    def agreement(rec) -> float:
+        got = rec.routes.reshape(-1, *rec.routes.shape[-2:]).sort(-1).values
+        assert got.shape[0] == part, (got.shape, part)
+        return float((got[: hi - lo] == want[lo:hi]).all(-1).all(-1)[keep[lo:hi]].float().mean())
+
+    with record_routes(engine.module) as rec:
+        ve.infer(engine, ve.log_prob_batch(batch))
+    with record_routes(engine.module) as rec_step:
+        step = ve.train_step(engine, batch)
     return {
-        "agreement": float(same.float().mean()),
+        "agreement": agreement(rec),
+        "step_agreement": agreement(rec_step),
         "loss": step["loss"],
         "grad_norm": step["grad_norm"],
         "bound_after": list(bound_layers()),
@@ -381,3 +432,37 @@ def test_rows_no_patch_scores_are_refused(model_dir):
     assert out["FSDPEngineWithValueHead"] is None
     plugin = _one(guard_scenario, model_dir=model_dir)
     assert plugin["infer"] is None
+
+
+def test_verl_fsdp_engine_with_ulysses_sequence_parallelism(model_dir):
+    """Ulysses SP=2 on verl's FSDP engine (two gloo ranks; verl's own all-to-all attention, served
+    on CPU by the harness's flash-attention shim), one sequence across the two ranks and verl's SP
+    pad: stock, the ratio is the support's mass as at SP=1; with the plugin 1 within 1e-5 and the
+    log-probs those of SP=1; the bfloat16 trainer routes some tokens elsewhere than the rollout
+    stock, none with R3 (infer and the PPO step's checkpoint recompute). With sdpa verl does not
+    split attention over the ranks (wrong log-probs, silently): replay is refused, naming the
+    setting."""
+    need("verl")
+    sp2 = dict(model_dir=model_dir, temperature=0.7, remove_padding=True, micro_batch_size=4, trim=True)
+    sp1 = _one(support_scenario, **sp2)
+    plugin = fsdp_harness.run_ranks(support_scenario, 2, timeout=600, sp=2, **sp2)
+    stock = fsdp_harness.run_ranks(support_scenario, 2, env=OFF_SUPPORT, timeout=600, sp=2, **sp2)
+    sdpa = fsdp_harness.run_ranks(support_scenario, 2, timeout=600, sp=2, attn="sdpa", **sp2)
+    routes = dict(model_dir=model_dir, mode="R3", gradient_checkpointing=True, sp=2, trim=True)
+    r_stock = fsdp_harness.run_ranks(routes_scenario, 2, env=OFF_ROUTES, timeout=600, **routes)
+    r_plugin = fsdp_harness.run_ranks(routes_scenario, 2, timeout=600, **routes)
+    diff = max(abs(a - b) for a, b in zip(plugin[0]["log_probs"], sp1["log_probs"], strict=True))
+    print(
+        f"verl FSDP engine, Ulysses SP=2: stock ratio mean {stock[0]['ratio_mean']:.4f} (SP=1 stock is the "
+        f"support's mass, {sp1['full_ratio_mean']:.4f}); plugin max |r-1| {plugin[0]['ratio_max_dev']:.2e}, "
+        f"max |lp(SP=2) - lp(SP=1)| {diff:.2e}, grad norm {plugin[0]['grad_norm']} (SP=1 {sp1['grad_norm']}); "
+        f"bf16 routes stock {[round(100 * r['agreement'], 1) for r in r_stock]}%, R3 "
+        f"{[round(100 * r['agreement'], 1) for r in r_plugin]}% (step {[r['step_agreement'] for r in r_plugin]})"
+    )
+    assert abs(stock[0]["ratio_mean"] - sp1["full_ratio_mean"]) < 1e-4 and stock[0]["ratio_max_dev"] > 0.05
+    for rank in plugin:
+        assert rank["ratio_max_dev"] < 1e-5 and rank["log_probs"] == pytest.approx(sp1["log_probs"], abs=1e-5)
+    assert plugin[0]["grad_norm"] == pytest.approx(sp1["grad_norm"], rel=1e-4)
+    assert all(r["refused"].startswith("attn_implementation:") for r in sdpa), sdpa
+    assert min(r["agreement"] for r in r_stock) < 1.0
+    assert all(r["agreement"] == 1.0 and r["step_agreement"] == 1.0 and r["bound_after"] == [] for r in r_plugin)

@@ -21,8 +21,11 @@ API
     hf_moe_models; no hub access). Returns ``directory``. Default qwen3_moe: hidden 32, 3 layers
     (layer 1 dense), 8 experts, top-2.
 ``build_engine(model_dir, *, use_remove_padding=True, gradient_checkpointing=False,
-router_replay_mode=None, dtype="float32", micro_batch_size=2, lr=1e-3, **engine_overrides)``
-    An initialized ``FSDPEngineWithLMHead`` (strategy fsdp2, sdpa, ``use_torch_compile=False``,
+router_replay_mode=None, dtype="float32", micro_batch_size=2, lr=1e-3, attn_implementation="sdpa",
+**engine_overrides)``
+    An initialized ``FSDPEngineWithLMHead`` (strategy fsdp2, sdpa unless ``attn_implementation``
+    says otherwise: ``"flash_attention_2"`` after ``cpu_flash_attn.install()`` for Ulysses SP,
+    ``use_torch_compile=False``,
     fixed micro-batches of ``micro_batch_size`` for training and inference, params/compute in
     ``dtype``). ``router_replay_mode`` ("disabled", "R2", "R3") goes to
     ``FSDPEngineConfig.router_replay`` (``EngineRouterReplayConfig``); stock verl's FSDP engine
@@ -349,6 +352,7 @@ def build_engine(
     dtype: str = "float32",
     micro_batch_size: int = 2,
     lr: float = 1e-3,
+    attn_implementation: str = "sdpa",
     **engine_overrides: Any,
 ):
     """An initialized ``FSDPEngineWithLMHead`` on the CPU platform (module docstring)."""
@@ -365,7 +369,7 @@ def build_engine(
         path=model_dir,
         use_remove_padding=use_remove_padding,
         enable_gradient_checkpointing=gradient_checkpointing,
-        override_config={"attn_implementation": "sdpa"},
+        override_config={"attn_implementation": attn_implementation},
     )
     engine_kwargs: dict[str, Any] = dict(
         strategy="fsdp2",
