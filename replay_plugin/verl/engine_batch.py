@@ -34,6 +34,20 @@ def replay_mode(engine: Any) -> str:
     return str(mode or "disabled")
 
 
+def uniform_temperature(micro_batch: Any) -> float | None:
+    """The micro-batch's one sampling temperature (verl's ``temperature``: a number, or a tensor
+    of one value per sample), or None when its samples differ (the caller divides per position)."""
+    import torch
+
+    t = micro_batch["temperature"]
+    if not isinstance(t, torch.Tensor):
+        return float(t)
+    t = t.detach().float().reshape(-1)
+    if t.numel() and bool((t == t[0]).all()):
+        return float(t[0])
+    return None
+
+
 def batch_grid(input_ids: Any) -> tuple[Any, Any, Any, Any]:
     """``(ids [B, S] long, mask [B, S] bool, indices [nnz], lengths [B])`` of verl's jagged
     ``input_ids`` ``[b, j]``: each sequence left-justified in a ``[B, S]`` grid (``S`` the longest;

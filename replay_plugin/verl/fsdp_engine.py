@@ -52,7 +52,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import batch_grid, in_verl_terms, replay_mode, response_support
+from .engine_batch import batch_grid, in_verl_terms, replay_mode, response_support, uniform_temperature
 from .engine_batch import non_tensor as _non_tensor
 from .switch import SUPPORT_KEY
 
@@ -143,14 +143,9 @@ def _per_token_rows(micro_batch: Any, key: str, indices: Any, lengths: Any) -> A
 def _temperature(micro_batch: Any, output_args: Mapping, packed: bool) -> tuple[float, Any]:
     """``(T, per-position divisor or None)``: one temperature for the whole micro-batch, or (per
     sample, differing) the tensor the logits are divided by in verl's layout."""
-    import torch
-
-    t = micro_batch["temperature"]
-    if not isinstance(t, torch.Tensor):
-        return float(t), None
-    t = t.detach().float().reshape(-1)
-    if t.numel() and bool((t == t[0]).all()):
-        return float(t[0]), None
+    t = uniform_temperature(micro_batch)
+    if t is not None:
+        return t, None
     if packed:
         return 1.0, output_args["temperature_rmpad"].float().unsqueeze(-1)  # [1, n_local, 1]
     return 1.0, output_args["temperature"].float()[:, None, None]  # [B, S, 1]

@@ -39,7 +39,7 @@ import contextvars
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import in_verl_terms, non_tensor, response_lengths, response_support
+from .engine_batch import in_verl_terms, non_tensor, response_lengths, response_support, uniform_temperature
 from .switch import SUPPORT_KEY
 
 #: the logits-processor arguments the patch adds (verl lays each out like ``label``, unrolled)
@@ -148,14 +148,9 @@ def label_aligned_rows(micro_batch: Any, input_ids: Any) -> dict[str, Any]:
 def _temperature(micro_batch: Any, laid_out: Any) -> tuple[float, Any]:
     """``(T, per-position divisor or None)``: one temperature for the micro-batch, or (per sample,
     differing) verl's laid-out per-token temperature the logits are divided by."""
-    import torch
-
-    t = micro_batch["temperature"]
-    if not isinstance(t, torch.Tensor):
-        return float(t), None
-    t = t.detach().float().reshape(-1)
-    if t.numel() and bool((t == t[0]).all()):
-        return float(t[0]), None
+    t = uniform_temperature(micro_batch)
+    if t is not None:
+        return t, None
     return 1.0, laid_out.float().clamp_min(1e-8).unsqueeze(-1)
 
 

@@ -58,7 +58,7 @@ def _batch(ve, roll, temperature: float, support=None, **fields):
     )  # fmt: skip
 
 
-def _ratios(ve, engine, batch, roll, temperature: float, **kw) -> dict:
+def _ratios(ve, engine, batch, roll, temperature: float | None, **kw) -> dict:
     import torch
 
     got = ve.infer(engine, batch, temperature, **kw)
@@ -94,6 +94,14 @@ def support_scenario(rank: int, world: int, model_dir: str, temperature: float, 
     for layout, rmpad in (("thd", True), ("bshd", False)):
         engine = vm.build_engine(model, model_dir, use_remove_padding=rmpad, micro_batch_size=2)
         out[layout] = _ratios(ve, engine, batch, roll, temperature)
+    # per-sample temperatures (a [B] tensor in the batch): each prompt sampled at its own T
+    temps = [0.7, 1.0, 0.5, 1.3]
+    rolls = [vm.rollout(sampler, PROMPTS, RESPONSE, TOP_K, WIDTH, t, seed=13) for t in temps]
+    mixed = {key: [rolls[i][key][i] for i in range(len(PROMPTS))] for key in rolls[0]}
+    per_sample = _batch(ve, mixed, 1.0)
+    per_sample["temperature"] = torch.tensor(temps, dtype=torch.float32)
+    engine = vm.build_engine(model, model_dir, micro_batch_size=2)
+    out["per_sample"] = _ratios(ve, engine, per_sample, mixed, None)
     trainer = vm.build_model("float32")
     engine = vm.build_engine(trainer, model_dir, micro_batch_size=2, optimizer=True)
     step = ve.train_step(engine, batch, old_log_probs=roll["logprobs"], temperature=temperature)
@@ -275,6 +283,7 @@ def test_verl_megatron_engine_scores_over_the_rollouts_support(model_dir):
         assert stock[layout]["ratio_mean"] < 0.5 and stock[layout]["ratio_max_dev"] > 0.05
         assert plugin[layout]["ratio_max_dev"] < 1e-5 and tp2[layout]["ratio_max_dev"] < 1e-5
         assert plugin[layout]["entropy"] == pytest.approx(stock[layout]["entropy"], abs=1e-5)  # verl's own
+    assert plugin["per_sample"]["ratio_max_dev"] < 1e-5 < stock["per_sample"]["ratio_max_dev"]  # per-sample T
     assert abs(plugin["ppo_kl"]) < 1e-5 < abs(stock["ppo_kl"])
     assert plugin["loss"] == plugin["loss"] and abs(plugin["loss"]) < 1e3  # finite
     assert plugin["grad_norm"] == plugin["grad_norm"] and plugin["grad_norm"] > 0
