@@ -258,6 +258,28 @@ class Registry:
             rows.append(row)
         return rows
 
+    def would_apply(self, name: str, cfg: settings.Settings | None = None) -> tuple[bool, str]:
+        """Whether patch ``name`` would apply in a process of this environment with ``cfg``, and
+        if not, why (its state and reason): its toggle and the installed upstream's version
+        against its range, what ``status`` would show once the upstream is imported, short of
+        fingerprint drift and probes (``matrix --check`` reports drift). Records nothing, imports
+        no upstream."""
+        cfg = cfg or settings.load()
+        spec = self.specs.get(name)
+        if spec is None:
+            return False, "not registered (the plugin's pack did not load: `replay-plugin status`)"
+        early = self.initial_state(spec, cfg)
+        if early is not None:
+            return False, f"{early.state}: {early.reason}"
+        version = self._installed_version(spec)
+        if version is None:
+            return False, f"{spec.upstream} is not installed here"
+        try:
+            self._check_version(spec, cfg, version)
+        except _Refused as refused:
+            return False, f"{refused.state}: {refused.reason}"
+        return True, "applies"
+
     # -- apply ----------------------------------------------------------------
 
     def apply(self, name: str, cfg: settings.Settings | None = None) -> PatchStatus:
@@ -414,6 +436,19 @@ def get() -> Registry:
         if _REGISTRY is None:
             _REGISTRY = Registry()
         return _REGISTRY
+
+
+def would_apply(name: str, environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """:meth:`Registry.would_apply` for a process with ``environ`` (default: this one's), with
+    ``REPLAY_PLUGIN_DISABLE`` taken into account; loads the packs' specs if nothing did yet."""
+    import os
+
+    env = dict(os.environ if environ is None else environ)
+    if settings.disabled(env):
+        return False, "REPLAY_PLUGIN_DISABLE is set"
+    reg = get()
+    reg.load_packs()
+    return reg.would_apply(name, settings.load(env))
 
 
 def block_pack(name: str) -> None:

@@ -1,19 +1,26 @@
-"""Patch ``verl.engine_support_guard``: a batch carrying the rollout's support rows reaches an engine
-that would score it over the full vocabulary, silently.
+"""Patch ``verl.engine_replay_guard``: a batch or an engine config asking for a replay reaches an
+engine that would not do it, silently.
 
-Gap (verl 0.9.1 with the plugin's switch): the rows (``rollout_sample_support``) ride verl's batch
-to every engine, but only two of verl's engines score over them, through the plugin's patches:
-``FSDPEngineWithLMHead`` (``verl.fsdp_support_logprobs``) and ``MegatronEngineWithLMHead``
-(``verl.megatron_support_logprobs``). verl's other language-model engines (VeOmni, TorchTitan,
-Automodel, MindSpeed, ...) ignore an unknown batch field, and so do the two supported engines
-when their patch is switched off, is outside its version range or failed to apply: the job would
-train on full-vocabulary log-probs while the user asked for the support's.
+Gaps (verl 0.9.1 with the plugin):
+
+- Sampler-support replay. The rows (``rollout_sample_support``) ride verl's batch to every engine,
+  but only two of verl's engines score over them, through the plugin's patches:
+  ``FSDPEngineWithLMHead`` (``verl.fsdp_support_logprobs``) and ``MegatronEngineWithLMHead``
+  (``verl.megatron_support_logprobs``). verl's other language-model engines (VeOmni, TorchTitan,
+  Automodel, MindSpeed, ...) ignore an unknown batch field, and so do the two supported engines
+  when their patch is switched off, is outside its version range or failed to apply: the job would
+  train on full-vocabulary log-probs while the user asked for the support's.
+- Routed-expert replay on the FSDP engine. verl reads ``router_replay.mode`` for its Megatron and
+  VeOmni engines only; on the FSDP engine (``+actor_rollout_ref.actor.fsdp_config.router_replay.mode=R3``)
+  the plugin's ``verl.fsdp_routes`` is what replays. With that patch switched off, outside its
+  range or failed, verl accepts the key and the routers route for themselves.
 
 The guard wraps ``BaseEngine.infer_batch`` and ``BaseEngine.train_batch``, the two entries every
 verl engine inherits (``compute_log_prob``, ``compute_ref_log_prob``, ``update_actor`` and the
-critic all go through them): a batch with rows is refused with an error naming the engine and the
-fix unless the engine's scoring patch is applied. Value-head engines (the critic) score no
-log-probs and pass. Batches without rows are untouched.
+critic all go through them). A batch with rows is refused with an error naming the engine and the
+fix unless the engine's scoring patch is applied; value-head engines (the critic) score no
+log-probs and pass. An FSDP engine whose config asks for router replay is refused unless
+``verl.fsdp_routes`` is applied. Everything else is untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..patcher import Patcher
+from .engine_batch import replay_mode
 from .switch import PREFIX, SUPPORT_KEY, SWITCH
 
 #: (engine module, class name) -> the patch that makes that engine score over the support rows
@@ -72,10 +80,43 @@ def check_engine(engine: Any) -> None:
     )
 
 
+#: the FSDP engine's module: its router replay is the plugin's (``verl.fsdp_routes``)
+FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+ROUTES_PATCH = "verl.fsdp_routes"
+
+
+def check_routes(engine: Any) -> None:
+    """Refuse (``NotReplayable``) an FSDP engine configured for router replay that the route patch
+    will not serve (stock verl ignores the key there)."""
+    from .. import states
+    from ..core.errors import NotReplayable
+    from ..spec import toggle_name
+
+    if type(engine).__module__ != FSDP_ENGINE_MODULE:
+        return
+    mode = replay_mode(engine)
+    if mode in ("disabled", "None", "none"):
+        return
+    st = states.get(ROUTES_PATCH)
+    if st is not None and st.state == "applied":
+        return
+    state, reason = (st.state, st.reason) if st is not None else ("not registered", "")
+    raise NotReplayable(
+        toggle_name(ROUTES_PATCH),
+        f"router_replay.mode={mode} on verl's FSDP engine ({type(engine).__name__}), where verl does not replay "
+        f"routes and patch {ROUTES_PATCH}, which does, is {state}{f' ({reason})' if reason else ''}: the routers "
+        f"would route for themselves. Enable the patch ({toggle_name(ROUTES_PATCH)}=1, a supported verl version), "
+        "or set router_replay.mode=disabled",
+        value=state,
+    )
+
+
 def _guarded(wrapped, instance, args, kwargs):
     data = args[0] if args else kwargs.get("data")
-    if data is not None and SUPPORT_KEY in data.keys():
-        check_engine(instance)
+    if data is not None:
+        if SUPPORT_KEY in data.keys():
+            check_engine(instance)
+        check_routes(instance)
     return wrapped(*args, **kwargs)
 
 

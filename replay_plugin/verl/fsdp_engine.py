@@ -147,7 +147,7 @@ def _temperature(micro_batch: Any, output_args: Mapping, packed: bool) -> tuple[
     if t is not None:
         return t, None
     if packed:
-        return 1.0, output_args["temperature_rmpad"].float().unsqueeze(-1)  # [1, n_local, 1]
+        return 1.0, output_args["temperature_rmpad"].float().unsqueeze(-1)  # [n_local, 1] (verl squeezed its leading 1)
     return 1.0, output_args["temperature"].float()[:, None, None]  # [B, S, 1]
 
 

@@ -22,8 +22,9 @@ versions and the rest are in compat_matrix.yaml. Driven by verl's batch and conf
   with the padded layout and several sequences per micro-batch is refused (it replays other
   tokens' routes);
 
-* ``verl.engine_support_guard`` on ``BaseEngine.infer_batch`` / ``train_batch``: a batch with rows
-  is refused by an engine no applied patch makes score over them.
+* ``verl.engine_replay_guard`` on ``BaseEngine.infer_batch`` / ``train_batch``: a batch with rows
+  is refused by an engine no applied patch makes score over them, and an FSDP engine configured
+  for router replay while ``verl.fsdp_routes`` is not applied.
 
 The Ulysses N-D partition patch verl needs for routes (``ulysses.nd_partition``) lives in the
 FSDP pack. Loading this pack imports nothing but the plugin's machinery.
@@ -44,7 +45,7 @@ PATCHES = {
     "verl.fsdp_routes": Patch(f"{_ENGINE}:install_routes"),
     "verl.megatron_support_logprobs": Patch("replay_plugin.verl.megatron_engine"),
     "verl.megatron_r3_layout": Patch("replay_plugin.verl.megatron_r3_layout"),
-    "verl.engine_support_guard": Patch("replay_plugin.verl.engine_guard"),
+    "verl.engine_replay_guard": Patch("replay_plugin.verl.engine_guard"),
 }
 
 

@@ -11,7 +11,9 @@ With ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` (``switch`
 - ``_preprocess_engine_kwargs`` (before the engine is built): the rollout config is checked
   (``switch.check_rollout_config``: bounded top_k, temperature, processed logprobs, no PD
   disaggregation; refused naming the verl key, so the server does not start; so is the switch with
-  ``REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH=0``, which would leave the batch without rows), and the engine's
+  ``REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH=0``, which would leave the batch without rows, and the
+  switch where the vLLM capture patches would not apply: a vLLM outside their range such as the
+  0.24 of verl's ``[vllm]`` extra, or one of them switched off), and the engine's
   ``max_logprobs`` is raised to the rows' width ``W`` (never lowered; vLLM's default is 20);
 - ``run_server``: once verl has built the engine, ``self.engine`` is a thin stand-in that keeps
   the last output of each request that opted in (``extra_args.replay_sample_support``, set by the
@@ -84,6 +86,7 @@ def _preprocess_engine_kwargs(wrapped, instance, args, kwargs):
     engine_kwargs = args[0] if args else kwargs["engine_kwargs"]
     switch.check_rollout_config(instance.config)
     _check_batch_patch()
+    _check_capture()
     vocabulary = getattr(getattr(instance.model_config, "hf_config", None), "vocab_size", None)
     width = switch.width(instance.config, vocabulary)
     current = engine_kwargs.get("max_logprobs")
@@ -112,6 +115,33 @@ def _check_batch_patch() -> None:
             f"{switch.PREFIX}{switch.SWITCH}=true but {name}=0 switches off the patch that puts the rows into verl's "
             f"batch: the trainer would score without them. Unset {name}, or drop the switch",
             value=False,
+        )
+
+
+#: the vLLM patches that capture the rows for verl's in-process engine (front end, engine core,
+#: scheduler, sampler); any of them off and every opted-in request would fail on its first answer
+CAPTURE = ("vllm.sample_support", "vllm.engine_admission", "vllm.batch_rows", "vllm.sampler_rows")
+
+
+def _check_capture() -> None:
+    """The switch with a vLLM the capture patches do not cover (verl's ``[vllm]`` extra pins 0.24,
+    below their range) or with one of them switched off: refused where the server starts, before
+    the model loads, naming the patch, its state and the fix (the request guard would refuse each
+    request later; below its range nothing would, and the first answer would lack its rows)."""
+    from ..core.errors import NotReplayable
+    from ..registry import would_apply
+    from ..spec import toggle_name
+
+    off = [(name, why) for name in CAPTURE for ok, why in [would_apply(name)] if not ok]
+    if off:
+        name, why = off[0]
+        raise NotReplayable(
+            toggle_name(name) if why.startswith("disabled") else "vllm",
+            f"{switch.PREFIX}{switch.SWITCH}=true but the plugin's vLLM capture cannot run here: "
+            + "; ".join(f"patch {n} {w}" for n, w in off)
+            + ". Run a vLLM in the capture patches' range (`replay-plugin matrix`; verl 0.9.1 runs on vLLM 0.30, "
+            'README "verl") with their REPLAY_PLUGIN_VLLM_* toggles unset, or drop the switch',
+            value=why,
         )
 
 

@@ -1,5 +1,6 @@
 """Registry, PatchSpec and Patcher on a module the test defines (not an upstream)."""
 
+import dataclasses
 import inspect
 import sys
 import types
@@ -128,6 +129,30 @@ def test_states(target_module):
     assert target_module.function(1) == 3
     assert reg.revert("e.applied").state == "reverted"
     assert target_module.function(1) == 2
+
+
+def test_would_apply_answers_what_apply_would_record_and_records_nothing(target_module, monkeypatch):
+    """The question the frameworks' start-up checks and ``doctor`` ask before the upstream is
+    imported: the toggle and the installed version against the range (what ``apply`` would
+    record as ``disabled`` / ``skipped-version``)."""
+    reg = fresh_registry()
+    reg.register(dataclasses.replace(spec("a.ranged", install=lambda p: None), versions=SpecifierSet(">=0.30,<0.33")))
+    installed = {"version": "0.30.0"}
+    monkeypatch.setattr(registry.Registry, "_installed_version", staticmethod(lambda s: installed["version"]))
+    assert reg.would_apply("a.ranged", settings.load({})) == (True, "applies")
+    ok, why = reg.would_apply("a.ranged", settings.load({"REPLAY_PLUGIN_A_RANGED": "0"}))
+    assert not ok and why == "disabled: REPLAY_PLUGIN_A_RANGED=0"
+    installed["version"] = "0.24.0"
+    ok, why = reg.would_apply("a.ranged", settings.load({}))
+    assert not ok and why.startswith("skipped-version: test-upstream 0.24.0 is outside"), why
+    assert reg.apply("a.ranged", settings.load({})).state == "skipped-version"  # the same answer
+    assert reg.would_apply("a.ranged", settings.load({"REPLAY_PLUGIN_ALLOW_UNSUPPORTED": "1"}))[0]
+    installed["version"] = None
+    assert reg.would_apply("a.ranged", settings.load({})) == (False, "test-upstream is not installed here")
+    assert reg.would_apply("b.unknown", settings.load({}))[0] is False
+    states._reset_for_tests()
+    reg.would_apply("a.ranged", settings.load({}))
+    assert states.get("a.ranged") is None
 
 
 def test_failing_install_is_recorded_and_rolled_back(target_module):

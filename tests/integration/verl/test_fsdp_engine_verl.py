@@ -33,8 +33,8 @@ TOP_K = 4
 WIDTH = 6  # rows W = top_k + 2: -1 padded, as the plugin's rows are wider than top_k
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
 RESPONSE = 8
-OFF_SUPPORT = {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0", "REPLAY_PLUGIN_VERL_ENGINE_SUPPORT_GUARD": "0"}  # stock
-OFF_ROUTES = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0"}
+OFF_SUPPORT = {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0", "REPLAY_PLUGIN_VERL_ENGINE_REPLAY_GUARD": "0"}  # stock
+OFF_ROUTES = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0", "REPLAY_PLUGIN_VERL_ENGINE_REPLAY_GUARD": "0"}  # stock
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -269,14 +269,18 @@ def routes_scenario(
 
 
 def guard_scenario(rank: int, world: int, model_dir: str) -> dict:
-    """compute_log_prob on a batch with rows (refused or scored), and the guard's verdict on engine
-    classes of verl that the plugin does not make score over rows (a value head needs none)."""
+    """compute_log_prob on a batch with rows (refused or scored), the guard's verdict on engine
+    classes of verl that the plugin does not make score over rows (a value head needs none), and
+    compute_log_prob on an engine configured for R3 with the rollout's routes in the batch (refused,
+    or routed by the route patch: the share of tokens on the rollout's experts)."""
     ve = _ve()  # before verl's engine modules are imported
 
+    import torch
     from verl.workers.engine.fsdp.fsdp_turbo_impl import FSDPTurboEngineWithLMHead
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithValueHead
 
     from replay_plugin.core.errors import NotReplayable
+    from replay_plugin.fsdp import record_routes
     from replay_plugin.verl import engine_guard
 
     model = _model(ve, model_dir)
@@ -294,6 +298,16 @@ def guard_scenario(rank: int, world: int, model_dir: str) -> dict:
             out[cls.__name__] = None
         except NotReplayable as exc:
             out[cls.__name__] = f"{exc.setting}: {exc}"
+    r3 = ve.build_engine(model_dir, dtype="bfloat16", router_replay_mode="R3", micro_batch_size=len(PROMPTS))
+    batch = ve.make_batch(PROMPTS, roll["responses"], pad_id=0, routed_experts=roll["routes"])
+    try:
+        with record_routes(r3.module) as rec:
+            ve.infer(r3, ve.log_prob_batch(batch))
+        want = torch.cat([r.long() for r in roll["routes"]]).sort(-1).values
+        got = rec.routes.reshape(-1, *rec.routes.shape[-2:]).sort(-1).values
+        out["r3"] = float((got == want).all(-1).all(-1).float().mean())
+    except NotReplayable as exc:
+        out["r3"] = f"{exc.setting}: {exc}"
     return out
 
 
@@ -418,20 +432,30 @@ def test_jagged_routes_must_line_up_with_each_sequence():
         fsdp_engine._per_token_rows(TensorDict({"r": shifted}, batch_size=[2]), "r", indices, lengths)
 
 
-def test_rows_no_patch_scores_are_refused(model_dir):
-    """verl.engine_support_guard: with the FSDP support patch switched off, verl's engine would
+def test_replay_no_patch_serves_is_refused(model_dir):
+    """verl.engine_replay_guard: with the FSDP support patch switched off, verl's engine would
     score the batch's rows over the full vocabulary, silently: refused naming the variable. An
     engine class the plugin does not make score over rows (FSDP-Turbo) is refused naming it; a
-    value head (the critic) passes."""
+    value head (the critic) passes. With the route patch switched off, verl accepts
+    router_replay.mode=R3 on its FSDP engine and the bfloat16 routers route for themselves (the
+    guard off: some tokens on other experts than the rollout's); the guard refuses it, naming the
+    variable; with the patch on every token (the sequences' last excepted: no route) is replayed."""
     need("verl")
-    out = _one(guard_scenario, {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0"}, model_dir=model_dir)
-    print(out)
+    routes_off = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0"}
+    out = _one(guard_scenario, {"REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS": "0", **routes_off}, model_dir=model_dir)
+    stock = _one(guard_scenario, OFF_ROUTES, model_dir=model_dir)
+    plugin = _one(guard_scenario, model_dir=model_dir)
+    print(f"guard: {out}; R3 route agreement stock {stock['r3']}, plugin {plugin['r3']}")
     assert out["infer"] and out["infer"].startswith("REPLAY_PLUGIN_VERL_FSDP_SUPPORT_LOGPROBS:"), out
     assert "is disabled" in out["infer"], out
     assert out["FSDPTurboEngineWithLMHead"] and "strategy fsdp / fsdp2" in out["FSDPTurboEngineWithLMHead"], out
     assert out["FSDPEngineWithValueHead"] is None
-    plugin = _one(guard_scenario, model_dir=model_dir)
+    assert isinstance(out["r3"], str) and out["r3"].startswith("REPLAY_PLUGIN_VERL_FSDP_ROUTES:"), out
+    assert "router_replay.mode=R3" in out["r3"] and "is disabled" in out["r3"], out
+    assert isinstance(stock["r3"], float) and stock["r3"] < plugin["r3"], (stock, plugin)
     assert plugin["infer"] is None
+    n_tokens = sum(len(p) + RESPONSE for p in PROMPTS)
+    assert plugin["r3"] == pytest.approx((n_tokens - len(PROMPTS)) / n_tokens), plugin
 
 
 def test_verl_fsdp_engine_with_ulysses_sequence_parallelism(model_dir):

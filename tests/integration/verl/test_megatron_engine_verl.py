@@ -32,7 +32,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18]]
 RESPONSE = 8
 OFF = {
     "REPLAY_PLUGIN_VERL_MEGATRON_SUPPORT_LOGPROBS": "0",
-    "REPLAY_PLUGIN_VERL_ENGINE_SUPPORT_GUARD": "0",
+    "REPLAY_PLUGIN_VERL_ENGINE_REPLAY_GUARD": "0",
 }  # stock verl
 SUPPORT_PATCH_OFF = {"REPLAY_PLUGIN_VERL_MEGATRON_SUPPORT_LOGPROBS": "0"}  # the guard on
 
@@ -327,7 +327,7 @@ def test_verl_megatron_engine_refuses_rows_it_cannot_replay(model_dir):
 
 
 def test_rows_no_patch_scores_are_refused(model_dir):
-    """verl.engine_support_guard: with the Megatron support patch switched off, verl's engine would
+    """verl.engine_replay_guard: with the Megatron support patch switched off, verl's engine would
     score the batch's rows over the full vocabulary, silently; the guard refuses it naming the
     variable. (Stock verl with both off returns numbers: the stock runs above.)"""
     need("verl")

@@ -43,7 +43,7 @@ TEXTS = [
     "which token comes next?",
 ]
 STOCK = {"REPLAY_PLUGIN_DISABLE": "1"}
-OFF_ROUTES = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0"}
+OFF_ROUTES = {"REPLAY_PLUGIN_VERL_FSDP_ROUTES": "0", "REPLAY_PLUGIN_VERL_ENGINE_REPLAY_GUARD": "0"}  # stock R3 on FSDP
 #: small router logits: near-ties between experts, which a bfloat16 trainer breaks differently from
 #: the float32 rollout (the gap R3 closes); the vocabulary ties are the lm_head's, unaffected
 ROUTER_SCALE = 0.3
@@ -166,12 +166,18 @@ def engine_scenario(
 
 
 @pytest.fixture(scope="module")
-def rollouts(tmp_path_factory):
-    """``{"model", "stock", "plugin"}``: the model and each rollout's summary and batch path."""
+def verl_model(tmp_path_factory):
+    """The tie model's directory."""
     need("verl", "vllm")
+    return _vr().build_model(str(tmp_path_factory.mktemp("verl_model") / "model"), router_scale=ROUTER_SCALE)
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory, verl_model):
+    """``{"model", "stock", "plugin"}``: the model and each rollout's summary and batch path."""
     root = tmp_path_factory.mktemp("verl_rollout")
     vr = _vr()
-    model = vr.build_model(str(root / "model"), router_scale=ROUTER_SCALE)
+    model = verl_model
     shim = vr.vllm_dist_shim(str(root / "shim"))
     out = {"model": model}
     for name, env, multi_turn in (("stock", STOCK, False), ("plugin", {}, False), ("multi_turn", {}, True)):
@@ -298,19 +304,22 @@ def config_scenario(rank: int, world: int, model_dir: str) -> dict:
     return out
 
 
-def test_verl_server_config_is_checked_and_fitted_before_the_engine_starts(rollouts, tmp_path):
+def test_verl_server_config_is_checked_and_fitted_before_the_engine_starts(verl_model, tmp_path):
     """Stock verl leaves vLLM's max_logprobs at its default 20 whatever top_k is (rows of top_k + 16
     would then be refused request by request); with the switch the engine allows W (never lowered),
-    and configs that cannot be replayed, or the switch with the batch patch switched off, are
-    refused naming the verl key or variable before any engine starts."""
+    and configs that cannot be replayed, or the switch with the batch patch or a vLLM capture patch
+    switched off, are refused naming the verl key or variable before any engine starts."""
     shim = _vr().vllm_dist_shim(str(tmp_path / "shim"))
     env = {"PYTHONPATH": f"{shim}:{HERE}"}
-    (stock,) = fsdp_harness.run_ranks(config_scenario, 1, env={**env, **STOCK}, model_dir=rollouts["model"])
-    (plugin,) = fsdp_harness.run_ranks(config_scenario, 1, env=env, model_dir=rollouts["model"])
+    (stock,) = fsdp_harness.run_ranks(config_scenario, 1, env={**env, **STOCK}, model_dir=verl_model)
+    (plugin,) = fsdp_harness.run_ranks(config_scenario, 1, env=env, model_dir=verl_model)
     (off,) = fsdp_harness.run_ranks(
-        config_scenario, 1, env={**env, "REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH": "0"}, model_dir=rollouts["model"]
+        config_scenario, 1, env={**env, "REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH": "0"}, model_dir=verl_model
     )
-    print(f"verl server config: stock {stock}; plugin {plugin}")
+    (no_capture,) = fsdp_harness.run_ranks(
+        config_scenario, 1, env={**env, "REPLAY_PLUGIN_VLLM_BATCH_ROWS": "0"}, model_dir=verl_model
+    )
+    print(f"verl server config: stock {stock}; plugin {plugin}; vLLM capture off {no_capture['top_k 4']}")
     assert stock["top_k 50"] == {"max_logprobs": None} and stock["top_k -1"] == {"max_logprobs": None}
     assert plugin["top_k 4"] == {"max_logprobs": 20}
     assert plugin["top_k 50"] == {"max_logprobs": 66}
@@ -320,3 +329,8 @@ def test_verl_server_config_is_checked_and_fitted_before_the_engine_starts(rollo
     assert plugin["raw logprobs"]["setting"] == "actor_rollout_ref.rollout.logprobs_mode"
     assert off["top_k 4"]["setting"] == "REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH"
     assert off["switch off, top_k 50"] == {"max_logprobs": None}
+    # a vLLM capture patch off (likewise a vLLM outside their range): refused before the model loads,
+    # not on the first request's answer
+    assert no_capture["top_k 4"]["setting"] == "REPLAY_PLUGIN_VLLM_BATCH_ROWS", no_capture
+    assert "patch vllm.batch_rows disabled" in no_capture["top_k 4"]["message"]
+    assert no_capture["switch off, top_k 50"] == {"max_logprobs": None}
