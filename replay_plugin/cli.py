@@ -207,6 +207,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             megatron_config=args.megatron_config,
             skyrl_config=args.skyrl_config,
+            verl_config=args.verl_config,
         )
     if args.json:
         print(json.dumps(report, indent=1))
@@ -270,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help='SkyRL\'s config: its overrides ("generator.inference_engine.enable_return_sample_support_set=true ...") '
         "or a YAML file",
+    )
+    p.add_argument(
+        "--verl-config",
+        metavar="CONFIG",
+        help='verl\'s config: its Hydra overrides ("+actor_rollout_ref.rollout.custom.replay_sample_support=true ...") '
+        "or a YAML file of its resolved config",
     )
     p.set_defaults(func=cmd_doctor)
 

@@ -1,9 +1,9 @@
 """``replay-plugin doctor``: what stops replay from working here, each finding with its fix.
 
-Installation checks run in the current environment; the vLLM, Megatron, SkyRL and Ray checks look
-at the current environment and, when given, at the engine arguments, model configuration and
-SkyRL config the job will use (the framework knowledge lives in ``vllm/doctor.py``,
-``megatron/doctor.py`` and ``skyrl/doctor.py``).
+Installation checks run in the current environment; the vLLM, Megatron, SkyRL, verl and Ray checks
+look at the current environment and, when given, at the engine arguments, model configuration and
+SkyRL or verl config the job will use (the framework knowledge lives in ``vllm/doctor.py``,
+``megatron/doctor.py``, ``skyrl/doctor.py`` and ``verl/doctor.py``).
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ def report(
     top_k: int | None = None,
     megatron_config: str | None = None,
     skyrl_config: str | None = None,
+    verl_config: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict:
     """Every finding, the installed upstreams and notes; ``ok`` when nothing was found."""
@@ -184,6 +185,10 @@ def report(
         from .skyrl.doctor import check as check_skyrl
 
         findings += [Finding("skyrl", problem, fix) for problem, fix in check_skyrl(skyrl_config, env)]
+    if verl_config is not None:
+        from .verl.doctor import check as check_verl
+
+        findings += [Finding("verl", problem, fix) for problem, fix in check_verl(verl_config, env)]
     notes = []
     if settings.disabled(env):
         notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")

@@ -36,68 +36,13 @@ SUPPORT_PATCHES = (
 FSDP_ROUTE_PATCHES = ("skyrl.fsdp_worker_routes", "skyrl.fsdp_routes_config")
 
 
-def parse(config: str | Mapping[str, Any]) -> dict[str, Any]:
-    """SkyRL's config as a flat ``{dotted key: value}``: from ``KEY=VALUE`` overrides (SkyRL's
-    command-line form; values read as YAML scalars) or a YAML file's nested mapping."""
-    import os
-
-    import yaml
-
-    if isinstance(config, Mapping):
-        return _flatten(config)
-    if os.path.isfile(config):
-        with open(config, encoding="utf-8") as fh:
-            doc = yaml.safe_load(fh) or {}
-        if not isinstance(doc, Mapping):
-            raise ValueError(f"{config}: expected a mapping of SkyRL config keys")
-        return _flatten(doc)
-    out: dict[str, Any] = {}
-    for token in config.split():
-        key, sep, value = token.lstrip("+").partition("=")
-        if not sep:
-            raise ValueError(f"{token!r}: expected KEY=VALUE (SkyRL's override form) or a YAML file")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
-def _flatten(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in doc.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
-def would_apply(name: str, environ: Mapping[str, str]) -> tuple[bool, str]:
-    """Whether patch ``name`` would apply in this environment, and if not why (its state)."""
-    from .. import compat, registry, settings
-
-    if settings.disabled(environ):
-        return False, "REPLAY_PLUGIN_DISABLE is set"
-    reg = registry.get()
-    reg.load_packs()
-    spec = reg.specs.get(name)
-    if spec is None:
-        return False, "not registered (the plugin's pack did not load: `replay-plugin status`)"
-    early = reg.initial_state(spec, settings.load(dict(environ)))
-    if early is not None:
-        return False, f"{early.state}: {early.reason}"
-    upstream = compat.load().upstreams.get(spec.upstream)
-    dist, version = compat.installed_version(upstream) if upstream else (None, None)
-    if version is None:
-        return False, f"{spec.upstream} is not installed here"
-    if not compat.version_in(version, spec.versions) and not settings.load(dict(environ)).allow_unsupported:
-        return False, f"skipped-version: {dist} {version} is outside {compat.format_spec(spec.versions)}"
-    return True, "applies"
-
-
 def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[Finding]:
-    cfg = parse(config)
+    from ..job_config import parse_config, truthy
+    from ..registry import would_apply
+
+    cfg = parse_config(config, "SkyRL")
     out: list[Finding] = []
-    if _true(cfg.get(SUPPORT_KEY)):
+    if truthy(cfg.get(SUPPORT_KEY)):
         off = [(name, why) for name in SUPPORT_PATCHES for ok, why in [would_apply(name, environ)] if not ok]
         if off:
             detail = "; ".join(f"{name} {why}" for name, why in off)
@@ -114,7 +59,7 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
         if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k <= 1:
             out.append((f"{TOP_K_KEY}={top_k}: sample-support capture needs top_k > 1", f"set {TOP_K_KEY} > 1"))
         out += _check_knob(environ)
-    if _true(cfg.get(ROUTES_KEY)) and str(cfg.get(STRATEGY_KEY, "fsdp")) in ("fsdp", "fsdp2"):
+    if truthy(cfg.get(ROUTES_KEY)) and str(cfg.get(STRATEGY_KEY, "fsdp")) in ("fsdp", "fsdp2"):
         states = {name: would_apply(name, environ) for name in FSDP_ROUTE_PATCHES}
         config_ok, workers_ok = states["skyrl.fsdp_routes_config"][0], states["skyrl.fsdp_worker_routes"][0]
         if config_ok and not workers_ok:
@@ -137,7 +82,3 @@ def _check_knob(environ: Mapping[str, str]) -> list[Finding]:
     if value is None or value.strip().lower() in ON_INEXACT_POLICIES:
         return []
     return [(f"{ON_INEXACT_ENV}={value!r} is not one of {', '.join(ON_INEXACT_POLICIES)}", f"unset {ON_INEXACT_ENV}")]
-
-
-def _true(value: Any) -> bool:
-    return value is True or (isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"))
