@@ -175,26 +175,14 @@ def support_rows(output: Any, flat: Any, top_k: int) -> tuple[list[dict[str, flo
             the sampled tokens, an inexact row under ``on_inexact() == "error"``.
     """
     from ..core.errors import ReplayDataError
-    from ..vllm.client import support_of
+    from ..vllm.client import support_for
 
     completion = output.outputs[0] if output is not None and getattr(output, "outputs", None) else None
     if completion is None:
         raise ReplayDataError("rollout_sample_support", "the engine returned no output", expected="one output")
-    rows = support_of(completion)  # ReplayDataMissing names what to check
-    assert rows is not None
     starts = np.asarray(flat.start_indices, dtype=np.int64)
     sampled = np.asarray(flat.token_ids, dtype=np.int64)[starts] if len(starts) else np.zeros(0, np.int64)
-    if len(rows) != len(starts) or not np.array_equal(rows.sampled, sampled):
-        raise ReplayDataError(
-            "rollout_sample_support",
-            f"{len(rows)} captured rows for {len(starts)} generated tokens, or rows captured for other tokens",
-            expected="one row per generated token, for the token vLLM returned",
-        )
-    if not np.isfinite(rows.sampled_logprob).all():
-        bad = int(np.argmax(~np.isfinite(rows.sampled_logprob)))
-        raise ReplayDataError(
-            "rollout_sample_support", "the sampled token's logprob is not finite", token=bad, expected="finite"
-        )
+    rows = support_for(completion, sampled, "rollout_sample_support")
     ids = rows.ids
     inexact = np.flatnonzero(~rows.exact)
     if inexact.size:

@@ -179,22 +179,14 @@ def rows_of(output: Any, token_ids: list[int]) -> np.ndarray | None:
             not the sampler's exact support.
     """
     from ..core.errors import ReplayDataError
-    from ..vllm.client import support_of
+    from ..vllm.client import support_for
 
     completion = output.outputs[0] if getattr(output, "outputs", None) else None
     if completion is None:
         if token_ids:
             raise ReplayDataError(switch.SUPPORT_KEY, "the engine returned no completion", expected="one")
         return None
-    rows = support_of(completion)  # ReplayDataMissing names what to check
-    assert rows is not None
-    sampled = np.asarray(token_ids, dtype=np.int64)
-    if len(rows) != len(sampled) or not np.array_equal(rows.sampled.astype(np.int64), sampled):
-        raise ReplayDataError(
-            switch.SUPPORT_KEY,
-            f"{len(rows)} captured rows for {len(sampled)} generated tokens, or rows captured for other tokens",
-            expected="one row per generated token, for the token vLLM returned",
-        )
+    rows = support_for(completion, token_ids, switch.SUPPORT_KEY)
     inexact = np.flatnonzero(~rows.exact)
     if inexact.size:
         tok = int(inexact[0])

@@ -73,6 +73,32 @@ def support_of(output: Any, *, required: bool = True) -> SupportRows | None:
     )
 
 
+def support_for(output: Any, sampled: Any, field: str = SUPPORT_FIELD) -> SupportRows:
+    """The support rows on a vLLM ``CompletionOutput`` checked against the token ids the caller
+    hands on (a framework's response tokens): one row per token, captured for that token, with a
+    finite sampled logprob. Whether each row is exact is the caller's policy (``rows.exact``).
+
+    Raises:
+        ReplayDataMissing: no rows on the output (``support_of``).
+        ReplayDataError: rows for another number of tokens or for other tokens, a sampled
+            logprob that is not finite; naming ``field`` (and the token).
+    """
+    rows = support_of(output)
+    assert rows is not None
+    ids = np.asarray(sampled, dtype=np.int64).reshape(-1)
+    if len(rows) != len(ids) or not np.array_equal(rows.sampled.astype(np.int64), ids):
+        raise ReplayDataError(
+            field,
+            f"{len(rows)} captured rows for {len(ids)} generated tokens, or rows captured for other tokens",
+            expected="one row per generated token, for the token vLLM returned",
+        )
+    finite = np.isfinite(rows.sampled_logprob)
+    if not finite.all():
+        bad = int(np.argmax(~finite))
+        raise ReplayDataError(field, "the sampled token's logprob is not finite", token=bad, expected="finite")
+    return rows
+
+
 class ChoiceReplay(NamedTuple):
     """Replay data of one served choice; a field is None when the response does not carry it."""
 

@@ -11,7 +11,7 @@ import pytest
 from replay_plugin.core.errors import ReplayDataError
 from replay_plugin.core.support import SupportRows
 from replay_plugin.core.wire import encode_array
-from replay_plugin.vllm.client import ReplayDataMissing, decode_choice, decode_stream, support_of
+from replay_plugin.vllm.client import ReplayDataMissing, decode_choice, decode_stream, support_for, support_of
 
 
 def _rows(tokens, width=3):
@@ -35,6 +35,24 @@ def test_support_of_raises_when_an_output_carries_no_rows():
     output._replay_plugin_refused = "engine core 0 cannot capture ...: logprobs_mode='raw_logprobs'"
     with pytest.raises(ReplayDataMissing, match="the engine refused the request: engine core 0"):
         support_of(output, required=False)  # a refusal is never silent
+
+
+def test_support_for_checks_the_rows_against_the_tokens_handed_on():
+    """What verl's server and SkyRL's endpoint hand on: one row per returned token, for that
+    token, with a finite sampled logprob; else an error naming the caller's field (and token)."""
+    output = types.SimpleNamespace(sample_support=_rows([4, 5, 6]))
+    assert support_for(output, [4, 5, 6], "rollout_sample_support").sampled.tolist() == [4, 5, 6]
+    with pytest.raises(ReplayDataError, match="3 captured rows for 2 generated tokens") as info:
+        support_for(output, [4, 5], "rollout_sample_support")
+    assert info.value.field == "rollout_sample_support"
+    with pytest.raises(ReplayDataError, match="rows captured for other tokens"):
+        support_for(output, [4, 7, 6])
+    output.sample_support.sampled_logprob[1] = np.nan
+    with pytest.raises(ReplayDataError, match="not finite") as info:
+        support_for(output, np.array([4, 5, 6]))
+    assert info.value.token == 1
+    with pytest.raises(ReplayDataMissing):
+        support_for(types.SimpleNamespace(), [4])
 
 
 def test_decode_choice_requires_the_support_unless_told_otherwise():
