@@ -29,11 +29,12 @@ from typing import Any
 
 from ..patcher import Patcher
 from .engine_batch import replay_mode
+from .fsdp_engine import FSDP_ENGINE_MODULE
 from .switch import PREFIX, SUPPORT_KEY, SWITCH
 
 #: (engine module, class name) -> the patch that makes that engine score over the support rows
 CONSUMERS = {
-    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead"): "verl.fsdp_support_logprobs",
+    (FSDP_ENGINE_MODULE, "FSDPEngineWithLMHead"): "verl.fsdp_support_logprobs",
     ("verl.workers.engine.megatron.transformer_impl", "MegatronEngineWithLMHead"): "verl.megatron_support_logprobs",
 }
 
@@ -51,7 +52,6 @@ def _value_head(engine: Any) -> bool:
 
 def check_engine(engine: Any) -> None:
     """Refuse (``NotReplayable``) an engine that would not score a batch with rows over them."""
-    from .. import states
     from ..core.errors import NotReplayable
     from ..spec import toggle_name
 
@@ -67,28 +67,36 @@ def check_engine(engine: Any) -> None:
             "and Megatron engine (strategy megatron); use one of them, or drop the switch",
             value=cls.__name__,
         )
-    st = states.get(patch)
-    if st is not None and st.state == "applied":
+    off = _unapplied(patch)
+    if off is None:
         return
-    state, reason = (st.state, st.reason) if st is not None else ("not registered", "")
     raise NotReplayable(
         toggle_name(patch),
         f"the batch carries {SUPPORT_KEY} ({PREFIX}{SWITCH}=true) but patch {patch}, which makes {cls.__name__} score "
-        f"over it, is {state}{f' ({reason})' if reason else ''}: the engine would score over the full vocabulary. "
+        f"over it, is {off[1]}: the engine would score over the full vocabulary. "
         f"Enable the patch ({toggle_name(patch)}=1, a supported verl version), or drop the switch",
-        value=state,
+        value=off[0],
     )
 
 
-#: the FSDP engine's module: its router replay is the plugin's (``verl.fsdp_routes``)
-FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+def _unapplied(patch: str) -> tuple[str, str] | None:
+    """None when ``patch`` is applied in this process, else ``(state, "state (reason)")``."""
+    from .. import states
+
+    st = states.get(patch)
+    if st is not None and st.state == "applied":
+        return None
+    state, reason = (st.state, st.reason) if st is not None else ("not registered", "")
+    return state, f"{state} ({reason})" if reason else state
+
+
+#: the patch that replays routes on verl's FSDP engine (its module: ``FSDP_ENGINE_MODULE``)
 ROUTES_PATCH = "verl.fsdp_routes"
 
 
 def check_routes(engine: Any) -> None:
     """Refuse (``NotReplayable``) an FSDP engine configured for router replay that the route patch
     will not serve (stock verl ignores the key there)."""
-    from .. import states
     from ..core.errors import NotReplayable
     from ..spec import toggle_name
 
@@ -97,17 +105,16 @@ def check_routes(engine: Any) -> None:
     mode = replay_mode(engine)
     if mode in ("disabled", "None", "none"):
         return
-    st = states.get(ROUTES_PATCH)
-    if st is not None and st.state == "applied":
+    off = _unapplied(ROUTES_PATCH)
+    if off is None:
         return
-    state, reason = (st.state, st.reason) if st is not None else ("not registered", "")
     raise NotReplayable(
         toggle_name(ROUTES_PATCH),
         f"router_replay.mode={mode} on verl's FSDP engine ({type(engine).__name__}), where verl does not replay "
-        f"routes and patch {ROUTES_PATCH}, which does, is {state}{f' ({reason})' if reason else ''}: the routers "
-        f"would route for themselves. Enable the patch ({toggle_name(ROUTES_PATCH)}=1, a supported verl version), "
-        "or set router_replay.mode=disabled",
-        value=state,
+        f"routes and patch {ROUTES_PATCH}, which does, is {off[1]}: the routers would route for themselves. "
+        f"Enable the patch ({toggle_name(ROUTES_PATCH)}=1, a supported verl version), or set "
+        "router_replay.mode=disabled",
+        value=off[0],
     )
 
 
