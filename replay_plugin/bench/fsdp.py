@@ -93,9 +93,11 @@ def _batch(shape: dict) -> dict:
         am[i, s - a - plen :] = 1
     ids = np.where(am == 1, ids, 0)
     support = np.full((b, s, w), -1, dtype=np.int32)
-    others = rng.integers(1, v, size=(b, a, w - 1))
+    # w - 1 distinct ids of 1..v-2 per row, shifted past the row's token: distinct, never the token
+    # (the FSDP entry refuses a row holding an id twice, as a normaliser would count it twice)
+    others = np.stack([rng.choice(v - 2, size=w - 1, replace=False) for _ in range(b * a)]).reshape(b, a, w - 1) + 1
     support[:, s - a :, 0] = ids[:, s - a :]
-    support[:, s - a :, 1:] = np.where(others == ids[:, s - a :, None], (others % (v - 1)) + 1, others)
+    support[:, s - a :, 1:] = np.where(others >= ids[:, s - a :, None], others + 1, others)
     ids[:, -1] = 0  # EOS appended after generation: loss-bearing, no support row
     support[:, -1] = -1
     idx = torch.from_numpy(am.reshape(-1).nonzero()[0])
