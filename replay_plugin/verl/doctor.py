@@ -27,6 +27,7 @@ from typing import Any
 
 from ..core.errors import NotReplayable
 from . import switch
+from .engine_batch import REPLAY_OFF
 
 Finding = tuple[str, str]
 
@@ -123,7 +124,7 @@ def _check_fsdp_routes(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> li
     out: list[Finding] = []
     for key in FSDP_MODE_KEYS:
         mode = str(cfg.get(key, "disabled"))
-        if mode in ("disabled", "None", "none"):
+        if mode in REPLAY_OFF:
             continue
         routes_ok, routes_why = would_apply("verl.fsdp_routes", environ)
         guard_ok, _ = would_apply("verl.engine_replay_guard", environ)

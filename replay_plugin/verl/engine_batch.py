@@ -26,6 +26,11 @@ def non_tensor(data: Any, key: str, default: Any) -> Any:
     return tu.get_non_tensor_data(data=data, key=key, default=default)
 
 
+#: ``router_replay.mode`` values that switch router replay off (verl's default, and what Hydra
+#: makes of a ``null``)
+REPLAY_OFF = ("disabled", "None", "none")
+
+
 def replay_mode(engine: Any) -> str:
     """The engine config's ``router_replay.mode`` (an object, or the plain mapping Hydra builds
     from a ``+...router_replay.mode=R3`` override); ``"disabled"`` when absent."""

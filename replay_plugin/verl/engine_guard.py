@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import replay_mode
+from .engine_batch import REPLAY_OFF, replay_mode
 from .fsdp_engine import FSDP_ENGINE_MODULE
 from .switch import PREFIX, SUPPORT_KEY, SWITCH
 
@@ -103,7 +103,7 @@ def check_routes(engine: Any) -> None:
     if type(engine).__module__ != FSDP_ENGINE_MODULE:
         return
     mode = replay_mode(engine)
-    if mode in ("disabled", "None", "none"):
+    if mode in REPLAY_OFF:
         return
     off = _unapplied(ROUTES_PATCH)
     if off is None:

@@ -52,7 +52,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import batch_grid, in_verl_terms, replay_mode, response_support, uniform_temperature
+from .engine_batch import (
+    REPLAY_OFF,
+    batch_grid,
+    in_verl_terms,
+    replay_mode,
+    response_support,
+    uniform_temperature,
+)
 from .engine_batch import non_tensor as _non_tensor
 from .switch import SUPPORT_KEY
 
@@ -300,7 +307,7 @@ def _wants_routes(engine: Any, micro_batch: Any) -> bool:
     if type(engine).__module__.startswith(VEOMNI_PREFIX):
         return False  # VeOmni reuses forward_step and replays with its own R3
     mode = replay_mode(engine)
-    if mode in ("disabled", "None", "none"):
+    if mode in REPLAY_OFF:
         return False
     if mode != "R3":
         raise NotReplayable(
