@@ -53,8 +53,35 @@ def _flag(value: Any, key: str) -> bool:
         raise NotReplayable(PREFIX + key, str(exc), value=value) from None
 
 
+#: every key of the plugin's under ``custom`` (verl accepts any key there: a misspelt switch would
+#: otherwise be ignored by verl and by the plugin alike, and the job would train over the full vocabulary)
+KEYS = (SWITCH, SLACK)
+_OURS = "replay_"
+
+
+def unknown_keys(rollout_config: Any) -> list[str]:
+    """``custom`` keys that look like the plugin's (``replay_*``, any case) but are none of ``KEYS``:
+    one message each, with the closest known key."""
+    import difflib
+
+    out = []
+    for key in _custom(rollout_config):
+        name = str(key)
+        if name.lower().startswith(_OURS) and name not in KEYS:
+            close = difflib.get_close_matches(name.lower(), KEYS, n=1, cutoff=0.6)
+            hint = f"; did you mean {PREFIX}{close[0]}?" if close else f" (known: {', '.join(KEYS)})"
+            out.append(f"{PREFIX}{name} is not a key of replay-plugin's{hint}")
+    return out
+
+
 def requested(rollout_config: Any) -> bool:
-    """Whether the job asked for sampler-support replay (``custom.replay_sample_support``)."""
+    """Whether the job asked for sampler-support replay (``custom.replay_sample_support``).
+
+    Raises ``NotReplayable`` for a ``replay_*`` key under ``custom`` the plugin does not know: a
+    misspelt switch is refused, not read as "off"."""
+    unknown = unknown_keys(rollout_config)
+    if unknown:
+        raise NotReplayable(PREFIX.rstrip("."), "; ".join(unknown), value=sorted(_custom(rollout_config)))
     return _flag(_custom(rollout_config).get(SWITCH, False), SWITCH)
 
 
