@@ -13,7 +13,7 @@ import os
 import site
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 
@@ -184,11 +184,11 @@ def report(
     if skyrl_config is not None:
         from .skyrl.doctor import check as check_skyrl
 
-        findings += [Finding("skyrl", problem, fix) for problem, fix in check_skyrl(skyrl_config, env)]
+        findings += check_job("skyrl", check_skyrl, skyrl_config, env)
     if verl_config is not None:
         from .verl.doctor import check as check_verl
 
-        findings += [Finding("verl", problem, fix) for problem, fix in check_verl(verl_config, env)]
+        findings += check_job("verl", check_verl, verl_config, env)
     notes = []
     if settings.disabled(env):
         notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")
@@ -202,6 +202,22 @@ def report(
         "notes": notes,
         "ok": not findings,
     }
+
+
+def check_job(
+    framework: str,
+    check: Callable[[str, Mapping[str, str]], list[tuple[str, str]]],
+    config: str,
+    environ: Mapping[str, str],
+) -> list[Finding]:
+    """A framework doctor's findings (check ``framework``), or the one reason its config cannot be
+    read (check ``framework-config``: a missing file, a word the framework's parser refuses)."""
+    from .job_config import ConfigError
+
+    try:
+        return [Finding(framework, problem, fix) for problem, fix in check(config, environ)]
+    except ConfigError as exc:
+        return [Finding(f"{framework}-config", exc.problem, exc.fix)]
 
 
 def _importable(name: str) -> bool:

@@ -12,7 +12,9 @@ deliver it, silently.
 
 A patch "applies" when it is switched on and the installed upstream is inside its range (what
 ``status`` would show after the import, short of fingerprint drift, which ``matrix --check``
-reports). Nothing of SkyRL or vLLM is imported.
+reports). Values are read as SkyRL reads them (``job_config``: ``OmegaConf.from_cli``, flags by
+Python's truth as SkyRL's ``if ie.enable_...:`` tests them, so ``=1`` is on). Nothing of SkyRL or
+vLLM is imported.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ FSDP_ROUTE_PATCHES = ("skyrl.fsdp_worker_routes", "skyrl.fsdp_routes_config")
 
 
 def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[Finding]:
-    from ..job_config import parse_config, truthy
-    from ..registry import would_apply
+    """Findings for a SkyRL job's config; ``job_config.ConfigError`` where it cannot be read."""
+    from ..job_config import parse_config, truthy, would_apply
 
     cfg = parse_config(config, "SkyRL")
     out: list[Finding] = []

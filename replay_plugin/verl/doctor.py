@@ -3,21 +3,28 @@ Hydra overrides, or a YAML file of verl's resolved config): the cases where the 
 replay and the plugin would not deliver it, found before Ray starts.
 
 In a running job the plugin refuses these where it can (the server before the model loads, the
-engines at their first batch); two cases it cannot see from inside, because no patch of the
+engines at their first batch); the cases it cannot see from inside, because no patch of the
 plugin runs to see them:
 
 - ``actor_rollout_ref.rollout.custom.replay_sample_support=true`` while a verl patch the switch
   needs would not apply here (switched off, verl or vLLM outside the range, ``REPLAY_PLUGIN_DISABLE``):
   verl ignores an unknown ``custom`` key, the batch carries no rows and the engine scores over the
   full vocabulary;
+- the switch with ``actor_rollout_ref.rollout.name`` other than vllm: the plugin captures rows in
+  verl's vLLM server only (``verl.rollout_support_server``), so every trajectory is refused;
 - ``router_replay.mode`` on the FSDP engine with both ``verl.fsdp_routes`` and the guard
-  (``verl.engine_replay_guard``) not applying: verl accepts the key and never replays.
+  (``verl.engine_replay_guard``) not applying: verl accepts the key and never replays;
+- ``enable_rollout_routing_replay`` without the strategy's ``router_replay.mode=R3``: the rollout
+  captures routes that nothing replays.
 
-Also reported: a rollout config the server would refuse (``top_k`` -1, verl's default; greedy;
-raw logprobs; prefill/decode disaggregation), a strategy whose engine does not score over the
-rows, and FSDP R3 without the rollout's routes or with mode R2. Keys not given take verl 0.9.1's
-defaults (strategy ``fsdp``, ``trainer.use_v1`` true, ``top_k`` -1). Nothing of verl or vLLM is
-imported.
+Also reported: a ``replay_*`` key under ``custom`` the plugin does not know (a misspelt switch:
+verl accepts it, the plugin refuses the job), a rollout config the server would refuse (``top_k``
+-1, verl's default; greedy; raw logprobs; prefill/decode disaggregation), a strategy whose engine
+does not score over the rows, and FSDP R3 without the rollout's routes or with mode R2. Keys not
+given take verl 0.9.1's defaults (strategy ``fsdp``, ``trainer.use_v1`` true, ``top_k`` -1).
+
+Values are read as verl reads them (``job_config``: Hydra's override grammar, flags by Python's
+truth, ``router_replay.mode`` as the FSDP engine reads it). Nothing of verl or vLLM is imported.
 """
 
 from __future__ import annotations
@@ -37,8 +44,17 @@ STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
 ENGINE_KEY = "model_engine"  # verl's config group: dp (fsdp), megatron, ...
 USE_V1_KEY = "trainer.use_v1"
 ROUTING_KEY = ROLLOUT + "enable_rollout_routing_replay"
+NAME_KEY = ROLLOUT + "name"
 #: the FSDP engines' router replay (``+...fsdp_config.router_replay.mode=R3``): actor, and ref
 FSDP_MODE_KEYS = tuple(f"actor_rollout_ref.{role}.fsdp_config.router_replay.mode" for role in ("actor", "ref"))
+#: strategy -> the actor's router replay mode, the one that replays the rollout's routes in training
+#: (verl's own on Megatron and VeOmni, the plugin's on FSDP; torchtitan has none)
+ACTOR_MODE_KEYS = {
+    "fsdp": FSDP_MODE_KEYS[0],
+    "fsdp2": FSDP_MODE_KEYS[0],
+    "megatron": "actor_rollout_ref.actor.megatron.router_replay.mode",
+    "veomni": "actor_rollout_ref.actor.veomni.router_replay.mode",
+}
 #: strategy -> the patch that makes its engine score over the rows
 ENGINE_PATCHES = {
     "fsdp": "verl.fsdp_support_logprobs",
@@ -54,8 +70,15 @@ def strategy(cfg: Mapping[str, Any]) -> str:
     return str(value)
 
 
+def replay_mode(value: Any) -> str:
+    """A ``router_replay.mode`` as the FSDP engine reads it (``engine_batch.replay_mode``): a
+    false value (absent, ``null``, ``false``) is ``disabled``."""
+    return str(value or "disabled")
+
+
 def rollout_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys under ``actor_rollout_ref.rollout.`` as verl's nested rollout config."""
+    """The keys under ``actor_rollout_ref.rollout.`` as verl's nested rollout config (a later key
+    replaces a value in its way, as OmegaConf's merge of Hydra's overrides does)."""
     out: dict[str, Any] = {}
     for key, value in cfg.items():
         if not key.startswith(ROLLOUT):
@@ -63,14 +86,16 @@ def rollout_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         *path, leaf = key[len(ROLLOUT) :].split(".")
         node = out
         for part in path:
-            node = node.setdefault(part, {})
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
         node[leaf] = value
     return out
 
 
 def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[Finding]:
-    from ..job_config import parse_config, truthy
-    from ..registry import would_apply
+    """Findings for a verl job's config; ``job_config.ConfigError`` where it cannot be read."""
+    from ..job_config import parse_config, truthy, would_apply
     from .rollout_server import CAPTURE
 
     cfg = parse_config(config, "verl")
@@ -78,9 +103,19 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
     rollout = rollout_config(cfg)
     engine = strategy(cfg)
     try:
-        wants_support = switch.requested(rollout)
-    except NotReplayable as exc:
-        return [(str(exc), f"set {SWITCH_KEY} to true or false")]
+        unknown = switch.unknown_keys(rollout)
+        wants_support = not unknown and switch.requested(rollout)
+    except NotReplayable as exc:  # custom is not a mapping, or the switch is not a boolean
+        where = "" if exc.setting in str(exc) else f"{exc.setting}: "
+        fix = f"set {SWITCH_KEY} to true or false" if exc.setting == SWITCH_KEY else f"make {exc.setting} a mapping"
+        return [(f"{where}{exc}", fix)]
+    for problem in unknown:
+        out.append(
+            (
+                f"{problem}: verl accepts any key under custom and the plugin refuses the job",
+                "correct the key's name (README, 'verl'), or remove it",
+            )
+        )
     if wants_support:
         patch = ENGINE_PATCHES.get(engine)
         if patch is None:
@@ -89,6 +124,15 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
                     f"{SWITCH_KEY}=true with strategy {engine}: its engine scores over the full vocabulary "
                     "(the plugin's guard refuses the first batch)",
                     f"use strategy fsdp, fsdp2 or megatron ({STRATEGY_KEY}), or drop the switch",
+                )
+            )
+        rollout_name = cfg.get(NAME_KEY)  # mandatory in verl (``???``): not given here, not judged
+        if rollout_name is not None and str(rollout_name) != "vllm":
+            out.append(
+                (
+                    f"{SWITCH_KEY}=true with {NAME_KEY}={rollout_name}: the plugin captures support rows in verl's "
+                    "vLLM server only (verl.rollout_support_server), so every trajectory is refused",
+                    f"set {NAME_KEY}=vllm, or drop the switch",
                 )
             )
         needed = ["verl.rollout_support_server", "verl.rollout_support_batch", "verl.engine_replay_guard"]
@@ -114,16 +158,16 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
             out.append((str(exc), f"set {exc.setting} as the message says, or drop the switch"))
     if engine in ("fsdp", "fsdp2"):
         out += _check_fsdp_routes(cfg, environ)
+    out += _check_routes_replayed(cfg, engine)
     return out
 
 
 def _check_fsdp_routes(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> list[Finding]:
-    from ..job_config import truthy
-    from ..registry import would_apply
+    from ..job_config import truthy, would_apply
 
     out: list[Finding] = []
     for key in FSDP_MODE_KEYS:
-        mode = str(cfg.get(key, "disabled"))
+        mode = replay_mode(cfg.get(key))
         if mode in REPLAY_OFF:
             continue
         routes_ok, routes_why = would_apply("verl.fsdp_routes", environ)
@@ -149,3 +193,28 @@ def _check_fsdp_routes(cfg: Mapping[str, Any], environ: Mapping[str, str]) -> li
                 )
             )
     return out
+
+
+def _check_routes_replayed(cfg: Mapping[str, Any], engine: str) -> list[Finding]:
+    """The rollout's routes captured (``enable_rollout_routing_replay``) with the actor's router
+    replay off: vLLM returns every token's experts and nothing replays them (verl itself refuses
+    R2 with the flag, and an invalid mode, at its first step)."""
+    from ..job_config import truthy
+
+    if not truthy(cfg.get(ROUTING_KEY, False)):
+        return []
+    key = ACTOR_MODE_KEYS.get(engine)
+    mode = replay_mode(cfg.get(key)) if key else "disabled"
+    if mode not in REPLAY_OFF:
+        return []
+    if key is None:
+        where, fix = f"strategy {engine} has no router replay", f"use strategy {', '.join(ACTOR_MODE_KEYS)}"
+    else:
+        where, fix = f"{key} is {mode}", f"set {'+' if key in FSDP_MODE_KEYS else ''}{key}=R3"
+    return [
+        (
+            f"{ROUTING_KEY} is true but {where}: the rollout captures every token's routed experts and nothing "
+            "replays them (the trainer routes with its own router)",
+            f"{fix}, or drop {ROUTING_KEY}",
+        )
+    ]
