@@ -210,6 +210,9 @@ def test_doctor_judges_verl_values_as_verl_consumes_them():
     ``mode=false`` off, ``trainer.use_v1=1`` V1, ``0x14`` / ``0b11`` strings the server refuses; a
     misspelt ``replay_*`` key, a rollout other than vLLM and routes captured without R3 named."""
     need("verl", "vllm")
+    from replay_plugin.core.errors import NotReplayable
+    from replay_plugin.verl import switch
+
     rows_off = {"REPLAY_PLUGIN_VLLM_SAMPLER_ROWS": "0"}
     (dict_switch,) = verl_findings(
         f"+actor_rollout_ref.rollout.custom={{replay_sample_support:true}} {TOP_K}", **rows_off
@@ -226,7 +229,15 @@ def test_doctor_judges_verl_values_as_verl_consumes_them():
     assert verl_findings(f"{SWITCH} {TOP_K} actor_rollout_ref.rollout.name=vllm") == []
     # no false alarms on verl's own spellings
     assert verl_findings(f"{R3} {ROUTING[:-4]}1") == []
-    assert verl_findings(f"{SWITCH} {TOP_K} actor_rollout_ref.rollout.temperature=inf") == []
+    # inf and nan are floats for Hydra: the doctor judges them as the server's check judges the floats
+    for spelling, temperature in (("inf", math.inf), ("nan", math.nan)):
+        try:
+            switch.check_rollout_config({"top_k": 20, "temperature": temperature})
+            server = []
+        except NotReplayable as exc:
+            server = [str(exc)]
+        found = verl_findings(f"{SWITCH} {TOP_K} actor_rollout_ref.rollout.temperature={spelling}")
+        assert [problem for problem, _ in found] == server, (spelling, found, server)
     assert verl_findings("+actor_rollout_ref.actor.fsdp_config.router_replay.mode=false") == []
     # trainer.use_v1=1 is V1: the TransferQueue padding patch is needed
     (v1,) = verl_findings(f"{SWITCH} {TOP_K} trainer.use_v1=1", REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_PADDING="0")
