@@ -412,12 +412,16 @@ def _check_support_rows(support, tmask, input_ids, mask, predictor_of, vocab, nu
     first = seq - num_actions
     _raise_first_case(cases, found, first)
     b = int(extra.nonzero()[0, 0])
-    tokens = (unsupported[b].nonzero().squeeze(1) - first).tolist()
+    columns = unsupported[b].nonzero().squeeze(1).tolist()
+    # Named by the first one's index (``token``, which a caller with another layout re-maps) and
+    # distances, never by grid columns: those are response tokens only in a right-aligned grid.
+    later = ", ".join(f"+{c - columns[0]}" for c in columns[1:])
+    others = f"{len(columns) - 1} later token(s) of this trajectory (at {later})"
     raise ReplayDataError(
         "support_ids",
-        f"response tokens {tokens} are loss-bearing without a support row",
+        f"loss-bearing without a support row, as are {others}",
         trajectory=b,
-        token=tokens[0],
+        token=columns[0] - first,
         expected="support for every loss-bearing token but one synthetic EOS per trajectory",
     )
 

@@ -606,7 +606,7 @@ def test_errors_name_what_is_missing(toy):
     support = batch["support"].clone()
     support[0, S - A + 2] = -1
     e = error(support_ids=support)
-    assert (e.field, e.trajectory, e.token) == ("support_ids", 0, 2) and f"[2, {A - 1}]" in str(e)
+    assert (e.field, e.trajectory, e.token) == ("support_ids", 0, 2) and f"(at +{A - 1 - 2})" in str(e)
     # a loss-bearing support row without its token
     support = batch["support"].clone()
     token = int(batch["input_ids"][3, S - A + 1])
@@ -637,6 +637,34 @@ def test_errors_name_what_is_missing(toy):
     assert e.field == "source" and "remove-padding" in str(e)
     with pytest.raises(ValueError, match="temperature"):
         _call(batch, logits.detach(), temperature=0.0)
+
+
+def test_unsupported_tokens_are_named_in_any_layout():
+    """Issue 41 F11: two loss-bearing tokens without support in a left-justified grid (verl's
+    engines lay sequences out so, num_actions = S - 1) were named by grid columns minus S -
+    num_actions ("response tokens [1, 2]"), which are response tokens only in a right-aligned grid.
+    The error names the first by ``token`` (the caller re-maps it to its layout, as verl's adapter
+    does) and the others by their distance from it."""
+    import torch
+
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.fsdp import response_logprobs
+
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 0, 0]])
+    mask = ids != 0
+    support = torch.full((2, 6, 3), -1)
+    support[:, :, 0] = ids  # every token supported by itself ...
+    support[1, 2:4] = -1  # ... but the two response tokens of row 1 (columns 2 and 3)
+    loss = torch.zeros(2, 5, dtype=torch.bool)  # [B, S - 1]: column c - 1 for token c
+    loss[0, 2:] = True
+    loss[1, 1:3] = True
+    logits = torch.randn(2, 6, 20, dtype=torch.float64)
+    with pytest.raises(ReplayDataError) as info:
+        response_logprobs(logits, ids, mask, 5, support_ids=support, loss_mask=loss)
+    e = info.value
+    assert (e.field, e.trajectory, e.token) == ("support_ids", 1, 1), e  # column 2 - (S - num_actions)
+    assert "as are 1 later token(s) of this trajectory (at +1)" in str(e), e
+    assert "response tokens [1, 2]" not in str(e), e
 
 
 def test_hostile_ids_and_masks_get_typed_errors(toy):
