@@ -6,6 +6,14 @@ field, the micro-batch row and its ``uid``, the token's index within its respons
 
 Shared by the engine patches (``fsdp_engine``, ``megatron_engine``); imports verl only inside
 functions that are handed verl's objects.
+
+The checks both engines make of a micro-batch with support rows live here, so that one rule holds
+for both (issue 41): the rows are signed integers that fit the int32 rows the engines score (an
+int64 id of ``2**32 + 5`` narrowed to int32 would read as token 5), every loss-bearing response
+token has a support row (verl has no synthetic EOS: a token without support would be scored over
+the full vocabulary or not at all), a per-sample temperature is finite and positive (dividing by
+a negative one inverts that sample's logits), and a nested field is jagged (verl's and the
+TransferQueue's layout; a strided nested tensor has no offsets).
 """
 
 from __future__ import annotations
@@ -13,11 +21,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..core.errors import ReplayDataError
+from ..core.errors import ReplayDataError, ReplayTypeError
 from .switch import SUPPORT_KEY
 
 #: the plugin's field names of a scoring error -> the verl batch field they come from
 VERL_FIELDS = {"support_ids": SUPPORT_KEY, "loss_mask": "loss_mask", "input_ids": "responses"}
+
+#: the largest support id the engines' int32 rows hold (the Megatron adapter narrows to int32)
+MAX_ID = 2**31 - 1
 
 
 def non_tensor(data: Any, key: str, default: Any) -> Any:
@@ -41,16 +52,42 @@ def replay_mode(engine: Any) -> str:
 
 def uniform_temperature(micro_batch: Any) -> float | None:
     """The micro-batch's one sampling temperature (verl's ``temperature``: a number, or a tensor
-    of one value per sample), or None when its samples differ (the caller divides per position)."""
+    of one value per sample), or None when its samples differ (the caller divides per position).
+    A tensor is checked first (:func:`check_temperatures`); a number is checked where it is used
+    (``core.inputs.check_temperature``)."""
     import torch
 
     t = micro_batch["temperature"]
     if not isinstance(t, torch.Tensor):
         return float(t)
+    check_temperatures(micro_batch)
     t = t.detach().float().reshape(-1)
     if t.numel() and bool((t == t[0]).all()):
         return float(t[0])
     return None
+
+
+def check_temperatures(micro_batch: Any) -> None:
+    """Refuse a per-sample ``temperature`` tensor holding a value that is not finite and > 0,
+    naming the sample. The scalar path refuses the same values (``check_temperature``); verl's own
+    ``_scale_logits_by_temperature`` clamps to 1e-8 instead, which is no sampling temperature
+    either: the rows were recorded at the rollout's temperature."""
+    import torch
+
+    t = micro_batch["temperature"] if "temperature" in micro_batch.keys() else None
+    if not isinstance(t, torch.Tensor):
+        return
+    values = t.detach().reshape(-1)
+    if values.is_floating_point():
+        bad = ~torch.isfinite(values) | (values <= 0)
+    else:
+        bad = values <= 0
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise in_verl_terms(
+            ReplayDataError("temperature", f"sample {b} has temperature {float(values[b])!r}"),
+            micro_batch, b, None, expected="a finite sampling temperature > 0 for every sample",
+        )  # fmt: skip
 
 
 def batch_grid(input_ids: Any) -> tuple[Any, Any, Any, Any]:
@@ -62,6 +99,7 @@ def batch_grid(input_ids: Any) -> tuple[Any, Any, Any, Any]:
 
     if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
         raise ReplayDataError("input_ids", f"got {type(input_ids).__name__}", expected="verl's jagged [b, j] input_ids")
+    check_jagged(input_ids, "input_ids")
     lengths = input_ids.offsets().diff()
     values = input_ids.values()
     batch, seq = int(lengths.numel()), int(lengths.max())
@@ -98,11 +136,27 @@ def check_prompts(response: Any, lengths: Any) -> None:
         )  # fmt: skip
 
 
+def check_jagged(field: Any, name: str) -> None:
+    """A nested tensor must be jagged (``layout=torch.jagged``: verl's nesting and the
+    TransferQueue's); a strided one has no offsets to read the sequences by."""
+    import torch
+
+    if field.is_nested and field.layout != torch.jagged:
+        raise ReplayDataError(
+            name, f"a nested tensor of layout {field.layout} (strided)",
+            expected="the jagged layout verl builds (torch.nested.as_nested_tensor(rows, layout=torch.jagged)) or a "
+            "dense padded tensor",
+        )  # fmt: skip
+
+
 def response_rows(field: Any, lengths: Any, fill: int, name: str) -> Any:
     """``[B, R, ...]`` response-aligned rows (left-aligned, padded with ``fill``) of a jagged
     ``[b, r_b, ...]`` or dense ``[B, R, ...]`` field, checked against the response lengths."""
     import torch
 
+    if not isinstance(field, torch.Tensor):
+        raise ReplayTypeError(name, f"got {type(field).__name__}", expected="a torch tensor, dense or jagged")
+    check_jagged(field, name)
     if field.is_nested:
         got = field.offsets().diff().to(lengths.device)
         bad = (got != lengths).nonzero()
@@ -122,29 +176,110 @@ def response_rows(field: Any, lengths: Any, fill: int, name: str) -> Any:
     return field
 
 
+def check_batch_rows(data: Any) -> None:
+    """The support rows of a whole batch, before verl chunks it into micro-batches: a tensor, dense
+    or jagged, a jagged one with one row per response token of each sample (named by its batch row
+    and uid). verl 0.9.1 splits nested tensors with ``tu.chunk_tensordict``, which crashes (an
+    untyped RuntimeError) on rows whose lengths are not the responses'; a strided nested tensor
+    reaches the engine as such a jagged one, re-nested over its row width by
+    ``BatchData.chunk`` (``chunk_tensordict``: ``ragged_idx`` defaults to the last dimension)."""
+    import torch
+
+    field = data[SUPPORT_KEY]
+    if not isinstance(field, torch.Tensor):
+        raise ReplayTypeError(SUPPORT_KEY, f"got {type(field).__name__}", expected="a torch tensor, dense or jagged")
+    check_jagged(field, SUPPORT_KEY)
+    if not field.is_nested:
+        return
+    batch = int(data.batch_size[0]) if len(data.batch_size) else int(field.size(0))
+    response = response_lengths(data, batch)
+    got = field.offsets().diff().to(response.device)
+    bad = (got != response).nonzero() if got.shape == response.shape else torch.zeros(1, 1, dtype=torch.long)
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise in_verl_terms(
+            ReplayDataError(SUPPORT_KEY, f"{int(got[b])} rows for a response of {int(response[b])} tokens"),
+            data, b, None, unit="batch",
+            expected="one row per response token, jagged ([b, r_b, W]: torch.nested.as_nested_tensor(rows, "
+            "layout=torch.jagged)) or dense [B, R, W]; a strided nested tensor reaches the engine re-nested over its "
+            "row width by verl's BatchData.chunk",
+        )  # fmt: skip
+
+
 def response_support(micro_batch: Any, lengths: Any) -> tuple[Any, Any, Any]:
     """``(response [B], support [B, R, W], loss [B, R] bool)`` of a micro-batch whose sequences
     have ``lengths`` tokens: each response's length (checked to leave a prompt), its support rows
-    (signed integers, ``-1`` padded; :data:`SUPPORT_KEY`) and its loss mask, response-aligned."""
+    (signed integers, ``-1`` padded; :data:`SUPPORT_KEY`) and its loss mask, response-aligned.
+
+    Refused here, for both engines and before any compute (the batch is the same on every
+    tensor-, context- and sequence-parallel rank, so all of them refuse together), naming the
+    micro-batch row, its uid and the response token: a per-sample temperature that is not finite
+    and > 0; an id that no int32 row holds (< -1 or >= 2**31: narrowing would wrap it into another
+    id); a loss-bearing response token whose row is all -1. The rest of the rows' checks (ids
+    inside the vocabulary, distinct, the token a member of its row) are the scoring's."""
+    import torch
+
     from ..core.inputs import as_mask, check_support_dtype
 
+    check_temperatures(micro_batch)
     response = response_lengths(micro_batch, int(lengths.numel())).to(lengths.device)
     check_prompts(response, lengths)
     support = response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
-    if support.dim() != 3:
-        raise ReplayDataError(SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W] (jagged [b, r_b, W])")
+    if support.dim() != 3 or support.shape[-1] < 1:
+        raise ReplayDataError(
+            SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W >= 1] (jagged [b, r_b, W])"
+        )
     check_support_dtype(support.dtype, SUPPORT_KEY)
     loss = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
+    r_max = int(response.max())
+    rows, bears = support[:, :r_max], loss[:, :r_max].to(support.device)
+    if support.dtype == torch.int64:  # the only signed dtype wider than the engines' int32 rows
+        wide = ((rows < -1) | (rows > MAX_ID)).any(dim=-1)
+        if bool(wide.any()):
+            b, t = (int(v) for v in wide.nonzero()[0])
+            bad = rows[b, t][(rows[b, t] < -1) | (rows[b, t] > MAX_ID)]
+            raise in_verl_terms(
+                ReplayDataError(
+                    SUPPORT_KEY,
+                    f"row of response token {t} holds id {int(bad[0])}, which is no token id (int32 rows would read it "
+                    f"as {int(bad[0].to(torch.int32))})",
+                ),
+                micro_batch, b, t, expected=f"token ids in [0, {MAX_ID}) and -1 padding",
+            )  # fmt: skip
+    unsupported = bears & (rows == -1).all(dim=-1)
+    if bool(unsupported.any()):
+        b, t = (int(v) for v in unsupported.nonzero()[0])
+        count = int(unsupported[b].sum())
+        others = f" (and {count - 1} more in this sample)" if count > 1 else ""
+        raise in_verl_terms(
+            ReplayDataError(
+                SUPPORT_KEY,
+                f"response token {t} is loss-bearing but its support row is all -1{others}: verl has no synthetic EOS, "
+                "so a token without the sampler's support would be scored over the full vocabulary, not the set it "
+                "was drawn from (a turn the rollout did not opt in, e.g. greedy: temperature 0 or top_k 1)",
+            ),
+            micro_batch, b, t,
+            expected="a support row for every loss-bearing response token, or response_mask 0 for a token without one",
+        )  # fmt: skip
     return response, support, loss
 
 
-def in_verl_terms(exc: ReplayDataError, micro_batch: Any, row: int, token: int) -> ReplayDataError:
-    """``exc`` (raised on the plugin's own layout) about micro-batch row ``row``, response token
-    ``token``: the verl batch field, the row and its ``uid``."""
+def in_verl_terms(
+    exc: ReplayDataError,
+    micro_batch: Any,
+    row: int,
+    token: int | None,
+    *,
+    expected: str | None = None,
+    unit: str = "micro-batch",
+) -> ReplayDataError:
+    """``exc`` (raised on the plugin's own layout) about micro-batch row ``row`` (of the engine's
+    whole batch with ``unit="batch"``), response token ``token``: the verl batch field, the row and
+    its ``uid``."""
     field = VERL_FIELDS.get(exc.field, exc.field)
     uid = non_tensor(micro_batch, "uid", None)
-    where = f"micro-batch row {row}"
+    where = f"{unit} row {row}"
     if uid is not None and len(uid) > row:
         where += f", uid {getattr(uid[row], 'data', uid[row])}"
     problem = str(exc).split(": ", 1)[-1]
-    return ReplayDataError(field, f"{problem} [{where}]", trajectory=row, token=token)
+    return ReplayDataError(field, f"{problem} [{where}]", trajectory=row, token=token, expected=expected)

@@ -21,6 +21,11 @@ critic all go through them). A batch with rows is refused with an error naming t
 fix unless the engine's scoring patch is applied; value-head engines (the critic) score no
 log-probs and pass. An FSDP engine whose config asks for router replay is refused unless
 ``verl.fsdp_routes`` is applied. Everything else is untouched.
+
+The rows of a batch an engine will score are also checked here, the one place before verl splits
+the batch into micro-batches (``engine_batch.check_batch_rows``): verl 0.9.1's
+``tu.chunk_tensordict`` crashes, untyped, on jagged rows whose lengths are not the responses' (a
+strided nested tensor arrives so, re-nested over its row width by ``BatchData.chunk``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import REPLAY_OFF, replay_mode
+from .engine_batch import REPLAY_OFF, check_batch_rows, replay_mode
 from .fsdp_engine import FSDP_ENGINE_MODULE
 from .switch import PREFIX, SUPPORT_KEY, SWITCH
 
@@ -123,6 +128,8 @@ def _guarded(wrapped, instance, args, kwargs):
     if data is not None:
         if SUPPORT_KEY in data.keys():
             check_engine(instance)
+            if consumer(instance) is not None:
+                check_batch_rows(data)  # before verl's chunking, which crashes on rows of the wrong length
         check_routes(instance)
     return wrapped(*args, **kwargs)
 

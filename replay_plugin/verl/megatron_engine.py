@@ -29,6 +29,11 @@ Every caller of the engine gets the replayed values: ``compute_log_prob`` (old l
 support, so that the KL penalty compares two distributions over one set), as on the FSDP engine.
 
 Refused, naming the setting: fused kernels (``use_fused_kernels``: no logits) with support rows.
+Refused before the forward, naming the micro-batch row, its uid and the response token
+(``engine_batch.response_support``, the FSDP engine's rule too): a loss-bearing token whose row is
+all ``-1`` (verl has no synthetic EOS; the low-level scoring gives such a row logprob 0, measured
+in issue 41), an int64 id the int32 rows cannot hold (``2**32 + 5`` read as token 5), a per-sample
+temperature that is not finite and > 0, a strided nested field.
 A micro-batch with rows that the last pipeline stage did not score through the logits processor
 (verl's forward path changed) raises rather than return full-vocabulary numbers.
 """
@@ -39,7 +44,14 @@ import contextvars
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import in_verl_terms, non_tensor, response_lengths, response_support, uniform_temperature
+from .engine_batch import (
+    check_jagged,
+    in_verl_terms,
+    non_tensor,
+    response_lengths,
+    response_support,
+    uniform_temperature,
+)
 from .switch import SUPPORT_KEY
 
 #: the logits-processor arguments the patch adds (verl lays each out like ``label``, unrolled)
@@ -122,6 +134,7 @@ def label_aligned_rows(micro_batch: Any, input_ids: Any) -> dict[str, Any]:
 
     if not isinstance(input_ids, torch.Tensor) or not input_ids.is_nested:
         raise ReplayDataError("input_ids", f"got {type(input_ids).__name__}", expected="verl's jagged [b, j] input_ids")
+    check_jagged(input_ids, "input_ids")
     offsets = input_ids.offsets()
     lengths = offsets.diff()
     response, support, loss = response_support(micro_batch, lengths)

@@ -311,6 +311,94 @@ def guard_scenario(rank: int, world: int, model_dir: str) -> dict:
     return out
 
 
+def _outcome(call) -> dict:
+    """What one hostile batch gives: the log-probs (``scored``), or the error's type, text and
+    located fields (an untyped error is reported as such)."""
+    from replay_plugin.core.errors import NotReplayable, ReplayDataError, ReplayTypeError
+
+    try:
+        return {"scored": call()}
+    except (ReplayDataError, ReplayTypeError) as exc:
+        return {"error": type(exc).__name__, "text": str(exc), "field": exc.field, "trajectory": exc.trajectory,
+                "token": exc.token}  # fmt: skip
+    except NotReplayable as exc:
+        return {"error": "NotReplayable", "text": str(exc), "field": exc.setting}
+    except Exception as exc:  # noqa: BLE001 - an untyped crash is what the test looks for
+        import traceback
+
+        return {"error": type(exc).__name__, "text": traceback.format_exc(), "untyped": True}
+
+
+def hostile_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """Batches no stock verl 0.9.1 pipeline makes, through the engine's compute_log_prob path
+    (issue 41: F3, F6, F7, F8): a loss-bearing token whose support row is all -1 (alone, twice in a
+    sample), an int64 id of 2**32 + 5, a per-sample temperature tensor with a negative entry, the
+    rows as a strided nested tensor, R3 with routes that are all zero (nothing captured) for the
+    batch or for one sequence, and dense routes whose length is not the attention mask's. Also the
+    full-vocabulary logprob of the token the first case would score (what a silent score gives)."""
+    import torch
+
+    ve = _ve()
+    model = _model(ve, model_dir)
+    roll = _rollout(model, 1.0, seed=5)
+    engine = ve.build_engine(model_dir, micro_batch_size=4)
+
+    def rows(dtype=torch.int32, edit=None):
+        bad = [list(map(list, r)) for r in roll["support"]]
+        if edit:
+            edit(bad)
+        return [torch.tensor(r, dtype=dtype) for r in bad]
+
+    def batch(support, **kw):
+        return ve.make_batch(
+            PROMPTS, roll["responses"], pad_id=0, response_fields=("rollout_sample_support",),
+            rollout_sample_support=support, **kw,
+        )  # fmt: skip
+
+    def scored(b, **kw):
+        return lambda: ve.infer(engine, b, **kw)["log_probs"][2].tolist()
+
+    def blank(*tokens):
+        def edit(bad):
+            for t in tokens:
+                bad[2][t] = [-1] * WIDTH
+
+        return edit
+
+    full = ve.hf_response_logprobs(model, PROMPTS, roll["responses"], 1.0)
+    out = {"full_vocab_lp": float(full[2][3]), "rollout_lp": roll["logprobs"][2][3]}
+    out["one_unsupported"] = _outcome(scored(batch(rows(edit=blank(3)))))
+    out["two_unsupported"] = _outcome(scored(batch(rows(edit=blank(3, 4)))))
+
+    def wide(bad):
+        bad[2][3][1] = 2**32 + 5  # an int64 id that an int32 narrowing reads as token 5
+
+    out["wide_id"] = _outcome(scored(batch(rows(torch.int64, wide))))
+    negative = batch(rows())
+    negative["temperature"] = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    out["negative_temperature"] = _outcome(scored(negative, temperature=None))
+    strided = batch(rows())
+    strided["rollout_sample_support"] = torch.nested.nested_tensor(rows())  # strided layout
+    out["strided_support"] = _outcome(scored(strided))
+
+    r3 = ve.build_engine(model_dir, router_replay_mode="R3", micro_batch_size=len(PROMPTS))
+
+    def routed(routes):
+        b = ve.make_batch(PROMPTS, roll["responses"], pad_id=0, routed_experts=routes)
+        return lambda: ve.infer(r3, b)["log_probs"][2].tolist()
+
+    out["routes_all_zero"] = _outcome(routed([torch.zeros_like(r) for r in roll["routes"]]))
+    one = [r.clone() for r in roll["routes"]]
+    one[1].zero_()
+    out["routes_one_sequence_zero"] = _outcome(routed(one))
+    dense = ve.make_batch(PROMPTS, roll["responses"], pad_id=0, routed_experts=roll["routes"])
+    grid = torch.nested.to_padded_tensor(dense["routed_experts"], 0)
+    dense["routed_experts"] = torch.cat([grid, grid], dim=1)  # [B, 2 S, L, K]: not the attention mask's S
+    out["dense_routes_wrong_length"] = _outcome(lambda: ve.infer(r3, dense)["log_probs"][2].tolist())
+    out["routes_replayed"] = _outcome(routed(roll["routes"]))
+    return out
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -432,6 +520,83 @@ def test_jagged_routes_must_line_up_with_each_sequence():
         fsdp_engine._per_token_rows(TensorDict({"r": shifted}, batch_size=[2]), "r", indices, lengths)
 
 
+def test_rows_in_layouts_the_engines_cannot_read():
+    """Issue 41 F8, the micro-batch readers both engines share: support rows as a strided nested
+    tensor (an untyped RuntimeError of torch before) and dense routes ``[B, S', L, K]`` whose S' is
+    not the attention mask's (an IndexError) are refused naming the field and the expected layout;
+    jagged rows and dense routes of the mask's shape are read."""
+    need("verl")
+    import torch
+    from tensordict import TensorDict
+
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.verl import engine_batch, fsdp_engine
+
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(1, 8), offsets=torch.tensor([0, 3, 7]))
+    _, mask, indices, lengths = engine_batch.batch_grid(ids)
+    rows = [torch.tensor([[4, 5, -1]], dtype=torch.int32), torch.tensor([[6, 7, -1], [7, -1, -1]], dtype=torch.int32)]
+
+    def micro_batch(support):
+        responses = torch.nested.nested_tensor_from_jagged(torch.tensor([3, 6, 7]), offsets=torch.tensor([0, 1, 3]))
+        loss = torch.nested.nested_tensor_from_jagged(torch.ones(3, dtype=torch.long), offsets=torch.tensor([0, 1, 3]))
+        return TensorDict(
+            {"input_ids": ids, "responses": responses, "loss_mask": loss, "rollout_sample_support": support},
+            batch_size=[2],
+        )
+
+    jagged = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    _, support, _ = engine_batch.response_support(micro_batch(jagged), lengths)
+    assert support.tolist() == [[[4, 5, -1], [-1, -1, -1]], [[6, 7, -1], [7, -1, -1]]]
+    with pytest.raises(ReplayDataError, match="strided.*expected the jagged layout") as info:
+        engine_batch.response_support(micro_batch(torch.nested.nested_tensor(rows)), lengths)
+    assert info.value.field == "rollout_sample_support"
+
+    attention = mask.long()  # [2, 4]
+    good = TensorDict({"r": torch.zeros(2, 4, 2, 2), "attention_mask": attention}, batch_size=[2])
+    assert tuple(fsdp_engine._per_token_rows(good, "r", indices, lengths).shape) == (7, 2, 2)
+    longer = TensorDict({"r": torch.zeros(2, 9, 2, 2), "attention_mask": attention}, batch_size=[2])
+    with pytest.raises(ReplayDataError, match=r"dense shape \(2, 9, 2, 2\).*\[2, 4, \.\.\.\]") as info:
+        fsdp_engine._per_token_rows(longer, "r", indices, lengths)
+    assert info.value.field == "r"
+
+
+def test_partly_captured_routes_are_counted(caplog):
+    """Issue 41 F7: an R3 micro-batch is checked for captured routes where they matter, the
+    positions that score loss-bearing tokens: ``check_captured`` returns (replayed, scoring), logs
+    them, and warns once per process when some have no captured route (routed by the model);
+    a sequence with none is refused (the engine test covers that through verl)."""
+    need("verl")
+    import logging
+
+    import torch
+    from tensordict import TensorDict
+
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.verl import engine_batch, fsdp_engine
+
+    ids = torch.nested.nested_tensor_from_jagged(torch.arange(1, 10), offsets=torch.tensor([0, 4, 9]))
+    _, mask, _, lengths = engine_batch.batch_grid(ids)  # [2, 5]
+    responses = torch.nested.nested_tensor_from_jagged(torch.arange(5), offsets=torch.tensor([0, 2, 5]))
+    loss = torch.nested.nested_tensor_from_jagged(torch.tensor([1, 1, 0, 1, 1]), offsets=torch.tensor([0, 2, 5]))
+    micro_batch = TensorDict({"input_ids": ids, "responses": responses, "loss_mask": loss}, batch_size=[2])
+    # scoring positions (the one before each loss-bearing token): row 0 columns 1, 2 (response tokens
+    # at columns 2, 3); row 1 columns 2, 3 (response tokens at columns 2, 3, 4; the first one masked)
+    no_route = ~mask
+    no_route[1, 3] = True  # one of row 1's scoring positions not captured
+    fsdp_engine._WARNED_PARTIAL = False
+    with caplog.at_level(logging.DEBUG, logger="replay_plugin"):
+        assert fsdp_engine.check_captured(micro_batch, no_route, mask, lengths) == (3, 4)
+        assert fsdp_engine.check_captured(micro_batch, no_route, mask, lengths) == (3, 4)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "1 of 4 positions scoring loss-bearing tokens have no captured route" in (
+        warnings[0].getMessage()
+    )
+    no_route[1, 2] = True  # row 1: none left
+    with pytest.raises(ReplayDataError, match="none of the 2 positions") as info:
+        fsdp_engine.check_captured(micro_batch, no_route, mask, lengths)
+    assert (info.value.field, info.value.trajectory) == ("routed_experts", 1)
+
+
 def test_replay_no_patch_serves_is_refused(model_dir):
     """verl.engine_replay_guard: with the FSDP support patch switched off, verl's engine would
     score the batch's rows over the full vocabulary, silently: refused naming the variable. An
@@ -490,3 +655,49 @@ def test_verl_fsdp_engine_with_ulysses_sequence_parallelism(model_dir):
     assert all(r["refused"].startswith("attn_implementation:") for r in sdpa), sdpa
     assert min(r["agreement"] for r in r_stock) < 1.0
     assert all(r["agreement"] == 1.0 and r["step_agreement"] == 1.0 and r["bound_after"] == [] for r in r_plugin)
+
+
+def test_verl_fsdp_engine_refuses_hostile_batches(model_dir):
+    """Issue 41 (F3, F6, F7, F8), verl's FSDP engine with the plugin, each case a silent wrong number
+    or an untyped crash before:
+
+    - a loss-bearing token whose support row is all -1: verl has no synthetic EOS, yet one such
+      token per sequence was scored over the full vocabulary (here far from the rollout's logprob);
+      refused naming the field, the micro-batch row, its uid and the response token; two in one
+      sample name the first response token (not grid columns);
+    - an int64 support id of 2**32 + 5: refused before any narrowing, naming the id;
+    - a per-sample temperature tensor with a negative entry (the logits of that sample were
+      inverted): refused naming the sample;
+    - rows as a strided nested tensor (an untyped RuntimeError) and dense routes longer than the
+      attention mask (an IndexError): typed, naming the field and the expected layout;
+    - router_replay.mode=R3 with routes that are all zero (nothing captured: R3 was a no-op):
+      refused naming the sequence and the setting that captures routes; captured routes replay."""
+    need("verl")
+    out = _one(hostile_scenario, model_dir=model_dir)
+    print(out)
+    # what a silent score of the first case gives: the full-vocabulary logprob, not the rollout's
+    assert abs(out["full_vocab_lp"] - out["rollout_lp"]) > 0.5, out
+    for case in ("one_unsupported", "two_unsupported"):
+        got = out[case]
+        assert got.get("error") == "ReplayDataError", (case, got)
+        assert (got["field"], got["trajectory"], got["token"]) == ("rollout_sample_support", 2, 3), (case, got)
+        assert "uid uid-2" in got["text"] and "response token 3" in got["text"], (case, got)
+        assert "[7, 8]" not in got["text"], got
+    wide = out["wide_id"]
+    assert wide.get("error") == "ReplayDataError" and (wide["trajectory"], wide["token"]) == (2, 3), wide
+    assert str(2**32 + 5) in wide["text"] and wide["field"] == "rollout_sample_support", wide
+    temp = out["negative_temperature"]
+    assert temp.get("error") == "ReplayDataError" and temp["field"] == "temperature", temp
+    assert temp["trajectory"] == 2 and "-1.0" in temp["text"] and "uid uid-2" in temp["text"], temp
+    strided = out["strided_support"]
+    assert strided.get("error") == "ReplayDataError" and strided["field"] == "rollout_sample_support", strided
+    assert "strided" in strided["text"] and "jagged" in strided["text"], strided
+    dense = out["dense_routes_wrong_length"]
+    assert dense.get("error") == "ReplayDataError" and dense["field"] == "routed_experts", dense
+    assert "attention_mask" in dense["text"], dense
+    for case, row in (("routes_all_zero", 0), ("routes_one_sequence_zero", 1)):
+        got = out[case]
+        assert got.get("error") == "ReplayDataError" and got["field"] == "routed_experts", (case, got)
+        assert got["trajectory"] == row and f"uid uid-{row}" in got["text"], (case, got)
+        assert "enable_rollout_routing_replay" in got["text"], (case, got)
+    assert "scored" in out["routes_replayed"], out["routes_replayed"]

@@ -246,6 +246,80 @@ def r3_layout_scenario(rank: int, world: int, model_dir: str, micro_batch_size: 
     return {"refused": None, "agreement": sum(same) / len(same)}
 
 
+def hostile_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """Batches no stock verl 0.9.1 pipeline makes, through the engine's compute_log_prob path
+    (issue 41: F3, F6, F7, F8), each as the log-probs of sample 2 or the error (type, text,
+    located fields): a loss-bearing token whose support row is all -1, an int64 id of 2**32 + 5
+    (an int32 narrowing reads it as token 5; that token's row here is top-k with a member replaced
+    by 2**32 + 5 and 5 not in it otherwise), a per-sample temperature tensor with a negative entry,
+    and the rows as a strided nested tensor; also the full-vocabulary logprob of the blanked token
+    and the supported logprob of the token with the wide id when 5 is a member instead."""
+    import torch
+
+    from replay_plugin.core.errors import NotReplayable, ReplayDataError, ReplayTypeError
+
+    vm = _vm()
+    ve = vm.setup(rank, world)
+    vm.save_model_dir(model_dir)
+    model = vm.build_model("float32")
+    roll = vm.rollout(model, PROMPTS, RESPONSE, TOP_K, WIDTH, 1.0, seed=5)
+    engine = vm.build_engine(model, model_dir, micro_batch_size=4)
+
+    def outcome(batch, **kw) -> dict:
+        try:
+            return {"scored": ve.infer(engine, batch, **kw)["log_probs"][2].tolist()}
+        except (ReplayDataError, ReplayTypeError) as exc:
+            return {"error": type(exc).__name__, "text": str(exc), "field": exc.field,
+                    "trajectory": exc.trajectory, "token": exc.token}  # fmt: skip
+        except NotReplayable as exc:
+            return {"error": "NotReplayable", "text": str(exc), "field": exc.setting}
+        except Exception as exc:  # noqa: BLE001 - an untyped crash is what the test looks for
+            import traceback
+
+            return {"error": type(exc).__name__, "text": traceback.format_exc(), "untyped": True}
+
+    def rows(edit=None, dtype=torch.int32):
+        bad = [list(map(list, r)) for r in roll["support"]]
+        if edit:
+            edit(bad)
+        return [torch.tensor(r, dtype=dtype) for r in bad]
+
+    def batch(support):
+        return ve.make_batch(
+            PROMPTS, roll["responses"], pad_id=0, response_fields=("rollout_sample_support",),
+            rollout_sample_support=support,
+        )  # fmt: skip
+
+    def blank(bad):
+        bad[2][3] = [-1] * WIDTH
+
+    token = roll["responses"][2][3]
+    member = next(i for i, t in enumerate(roll["support"][2][3]) if t not in (token, -1, 5))
+
+    def wide(bad):
+        bad[2][3][member] = 2**32 + 5
+
+    def five(bad):
+        bad[2][3][member] = 5
+
+    full = vm.response_logprobs(model, PROMPTS, roll["responses"], 1.0)
+    out = {
+        "full_vocab_lp": float(full[2][3]),
+        "rollout_lp": roll["logprobs"][2][3],
+        "five_in_row": 5 in roll["support"][2][3],
+    }
+    out["one_unsupported"] = outcome(batch(rows(blank)))
+    out["wide_id"] = outcome(batch(rows(wide, torch.int64)))
+    out["five_instead"] = outcome(batch(rows(five)))
+    negative = batch(rows())
+    negative["temperature"] = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    out["negative_temperature"] = outcome(negative, temperature=None)
+    strided = batch(rows())
+    strided["rollout_sample_support"] = torch.nested.nested_tensor(rows())  # strided layout
+    out["strided_support"] = outcome(strided)
+    return out
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -357,3 +431,32 @@ def test_verl_r3_in_the_padded_layout(model_dir):
     assert upstream["agreement"] < 0.5
     assert plugin["setting"] == "actor_rollout_ref.model.use_remove_padding", plugin
     assert single["refused"] is None and single["agreement"] == 1.0
+
+
+def test_verl_megatron_engine_refuses_hostile_batches(model_dir):
+    """Issue 41 (F3, F6, F7, F8) on verl's Megatron engine with the plugin, each case a silent wrong
+    number or an untyped crash before: a loss-bearing token whose support row is all -1 (verl has no
+    synthetic EOS) is refused naming the field, the micro-batch row, its uid and the response token;
+    an int64 id of 2**32 + 5, which the int32 narrowing turned into token 5 (the token scored as if
+    5 were a member), is refused naming the id; a per-sample temperature tensor with a negative entry
+    is refused naming the sample; rows as a strided nested tensor are refused naming the layout."""
+    need("verl")
+    need("megatron-core")
+    out = _run(hostile_scenario, model_dir=model_dir)
+    print(out)
+    assert not out["five_in_row"] and "scored" in out["five_instead"], out  # 5 as a member: a valid row
+    assert abs(out["full_vocab_lp"] - out["rollout_lp"]) > 0.5, out  # what a full-vocabulary score gives
+    one = out["one_unsupported"]
+    assert one.get("error") == "ReplayDataError", one
+    assert (one["field"], one["trajectory"], one["token"]) == ("rollout_sample_support", 2, 3), one
+    assert "uid uid-2" in one["text"] and "response token 3" in one["text"], one
+    wide = out["wide_id"]
+    assert wide.get("error") == "ReplayDataError", wide
+    assert (wide["field"], wide["trajectory"], wide["token"]) == ("rollout_sample_support", 2, 3), wide
+    assert str(2**32 + 5) in wide["text"], wide
+    temp = out["negative_temperature"]
+    assert temp.get("error") == "ReplayDataError" and temp["field"] == "temperature", temp
+    assert temp["trajectory"] == 2 and "-1.0" in temp["text"], temp
+    strided = out["strided_support"]
+    assert strided.get("error") == "ReplayDataError" and strided["field"] == "rollout_sample_support", strided
+    assert "strided" in strided["text"], strided
