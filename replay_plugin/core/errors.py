@@ -8,6 +8,30 @@ They subclass ``ValueError`` (or ``TypeError``) so callers that catch the builti
 from __future__ import annotations
 
 
+def _rebuild(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+    """An error of ``cls`` with ``args`` and attributes ``state``, without calling its ``__init__``
+    (whose signature differs from the exception's ``args``): how a pickled error is loaded."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
+def _state(error: object) -> dict:
+    """The error's attributes, each one that cannot be pickled (a ``value`` such as a live object)
+    replaced by its ``repr``: the message and the type must cross, whatever the value."""
+    import pickle
+
+    state = {}
+    for key, value in error.__dict__.items():
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - anything pickle refuses
+            value = repr(value)
+        state[key] = value
+    return state
+
+
 def _where(field: str, trajectory: int | None, token: int | None) -> str:
     parts = [f"field {field!r}"]
     if trajectory is not None:
@@ -38,6 +62,13 @@ class _Located:
             message += f" (expected {expected})"
         super().__init__(message)  # type: ignore[call-arg]
 
+    def __reduce__(self) -> tuple:
+        # Picklable, so that it crosses processes as itself: a refusal raised in a Ray actor (verl's
+        # vLLM server, an agent-loop worker) reaches the caller typed. Pickle's default rebuilds an
+        # exception as ``cls(*args)``, which this constructor cannot take: Ray 2.60 then delivers an
+        # ``UnserializableException`` carrying only the text.
+        return _rebuild, (type(self), getattr(self, "args", ()), _state(self))
+
 
 class ReplayDataError(_Located, ValueError):
     """Replay data with a wrong value, shape or layout.
@@ -62,6 +93,9 @@ class NotReplayable(ValueError):
         super().__init__(message)
         self.setting = setting
         self.value = value
+
+    def __reduce__(self) -> tuple:  # picklable across processes, as ``_Located``
+        return _rebuild, (type(self), self.args, _state(self))
 
 
 class RouteSanityWarning(UserWarning):
