@@ -170,23 +170,34 @@ async def _generate(wrapped, instance, args, kwargs):
     return result
 
 
-def rows_of(output: Any, token_ids: list[int]) -> np.ndarray | None:
+def rows_of(output: Any, token_ids: Any) -> np.ndarray | None:
     """The support rows (int32 ``[T, W]``) of one opted-in request's final output, checked
     against the token ids verl returns; None for an aborted request without tokens.
 
     Raises:
-        ReplayDataError: no rows (the capture did not run), rows for other tokens, a row that is
-            not the sampler's exact support.
+        ReplayTypeError: a token id that is not an int (a float would be truncated), naming the token.
+        ReplayDataError: a token id outside int64, no rows (the capture did not run, or the engine
+            refused the request), rows for other tokens, a row that is not the sampler's exact
+            support; each naming verl's field ``rollout_sample_support``.
     """
     from ..core.errors import ReplayDataError
-    from ..vllm.client import support_for
+    from ..vllm.client import ReplayDataMissing, support_for
+    from .turns import token_ids as checked_ids
 
+    ids = checked_ids(token_ids, switch.SUPPORT_KEY)
     completion = output.outputs[0] if getattr(output, "outputs", None) else None
     if completion is None:
-        if token_ids:
+        if ids.size:
             raise ReplayDataError(switch.SUPPORT_KEY, "the engine returned no completion", expected="one")
         return None
-    rows = support_for(completion, token_ids, switch.SUPPORT_KEY)
+    try:
+        rows = support_for(completion, ids, switch.SUPPORT_KEY)
+    except ReplayDataMissing as exc:
+        if exc.field == switch.SUPPORT_KEY:
+            raise
+        # the vLLM client names its own attribute (``sample_support``); verl's users know the field
+        problem = str(exc).partition(": ")[2] or str(exc)
+        raise ReplayDataMissing(switch.SUPPORT_KEY, problem, expected="rows from the plugin's vLLM capture") from None
     inexact = np.flatnonzero(~rows.exact)
     if inexact.size:
         tok = int(inexact[0])

@@ -10,20 +10,73 @@ model-generated tokens of a response, read as runs of mask 1, are the turns' tok
 where a run may end inside a turn (its tail was trimmed or cut) and may span several turns.
 
 :func:`align` assigns each mask-1 token its turn's row and checks every token id on the way; a
-token it cannot place is refused with the response position, never guessed. Pure numpy.
+token it cannot place is refused with the response position, never guessed. Inputs are checked
+before any conversion (:func:`token_ids`, :func:`turn`): numpy would truncate a float id (7.9 -> 7),
+wrap an int64 row id into int32 (2**32 + 5 -> 5) or fail untyped (None, ``"a"``, 2**70, ragged
+rows); each is refused naming the field and the position. Pure numpy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..core.errors import ReplayDataError
+from ..core.errors import ReplayDataError, ReplayTypeError
 
 PAD = -1
 FIELD = "rollout_sample_support"
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _items(values: Any) -> list:
+    """Python scalars of a sequence, an array or a tensor (``tolist``), without converting them."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def token_ids(values: Any, field: str, *, trajectory: int | None = None) -> np.ndarray:
+    """``values`` as ``int64`` token ids, each checked first: an int (not a bool) in ``[0, 2**63)``.
+
+    Raises:
+        ReplayTypeError: an id that is not an int (None, a float, a string, a nested list),
+            naming ``field`` and its position (``token``).
+        ReplayDataError: an id below 0 or beyond int64.
+    """
+    items = _items(values)
+    for i, value in enumerate(items):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+            raise ReplayTypeError(
+                field,
+                f"token id {value!r} at position {i} is a {type(value).__name__}",
+                trajectory=trajectory,
+                token=i,
+                expected="int token ids",
+            )
+        if not 0 <= value <= _INT64_MAX:
+            raise ReplayDataError(
+                field,
+                f"token id {value} at position {i} is not a token id",
+                trajectory=trajectory,
+                token=i,
+                expected="ids in [0, 2**63)",
+            )
+    return np.asarray(items, dtype=np.int64).reshape(-1)
+
+
+def _mask(values: Any, size: int, trajectory: int | None) -> np.ndarray:
+    items = _items(values)
+    if len(items) != size:
+        raise ReplayDataError(
+            "response_mask", f"{len(items)} entries for {size} response tokens", trajectory=trajectory
+        )
+    for i, value in enumerate(items):
+        if not isinstance(value, (int, float, np.number)) or value not in (0, 1):
+            raise ReplayDataError(
+                "response_mask", f"entry {value!r} at position {i}", trajectory=trajectory, token=i, expected="0 or 1"
+            )
+    return np.asarray(items, dtype=np.int64).reshape(-1)
 
 
 class Turn(NamedTuple):
@@ -34,17 +87,38 @@ class Turn(NamedTuple):
     rows: np.ndarray | None
 
 
-def turn(token_ids: Sequence[int], rows: np.ndarray | None) -> Turn:
-    ids = np.asarray(list(token_ids), dtype=np.int64)
+def turn(ids: Sequence[int], rows: Any) -> Turn:
+    """One ``generate`` call's token ids (``TokenOutput.token_ids``) and rows, checked: ids as
+    :func:`token_ids`, rows an int ``[T, W]`` array of ids in ``[-1, 2**31)`` (what the int32
+    support field can hold without wrapping)."""
+    tokens = token_ids(ids, "token_ids")
     if rows is not None:
-        rows = np.asarray(rows)
-        if rows.ndim != 2 or rows.shape[0] != ids.shape[0] or rows.dtype.kind not in "iu":
+        try:
+            rows = np.asarray(rows)
+        except ValueError as exc:  # ragged rows (numpy refuses an inhomogeneous list)
             raise ReplayDataError(
                 FIELD,
-                f"rows of shape {rows.shape} / dtype {rows.dtype} for {ids.shape[0]} generated tokens",
+                f"rows for {tokens.size} generated tokens that are not one array ({exc})",
+                expected="int [T, W], one row per generated token",
+            ) from None
+        if rows.ndim != 2 or rows.shape[0] != tokens.shape[0] or rows.dtype.kind not in "iu":
+            raise ReplayDataError(
+                FIELD,
+                f"rows of shape {rows.shape} / dtype {rows.dtype} for {tokens.shape[0]} generated tokens",
                 expected="int [T, W], one row per generated token",
             )
-    return Turn(ids, rows)
+        if rows.size:
+            bad = np.flatnonzero(((rows < PAD) | (rows > _INT32_MAX)).any(axis=1))
+            if bad.size:
+                t = int(bad[0])
+                raise ReplayDataError(
+                    FIELD,
+                    f"the row of generated token {t} holds {rows[t].tolist()[:8]}: ids outside [-1, 2**31) that the "
+                    "int32 field would wrap into other ids",
+                    token=t,
+                    expected="token ids, -1 as padding",
+                )
+    return Turn(tokens, rows)
 
 
 def align(
@@ -62,12 +136,8 @@ def align(
         ReplayDataError: a mask-1 token that no turn produced at that point (more generated tokens
             than the turns returned, or a different id), naming the response position.
     """
-    ids = np.asarray(list(response_ids), dtype=np.int64)
-    mask = np.asarray(list(response_mask), dtype=np.int64)
-    if ids.shape != mask.shape:
-        raise ReplayDataError(
-            "response_mask", f"{mask.size} entries for {ids.size} response tokens", trajectory=trajectory
-        )
+    ids = token_ids(response_ids, "response_ids", trajectory=trajectory)
+    mask = _mask(response_mask, ids.size, trajectory)
     w = max([width] + [t.rows.shape[1] for t in turns if t.rows is not None])
     out = np.full((ids.size, w), PAD, dtype=np.int32)
     live = [t for t in turns if t.token_ids.size]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from replay_plugin.core.errors import ReplayDataError
+from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 from replay_plugin.verl import turns as T
 
 
@@ -71,3 +71,93 @@ def test_rows_not_matching_their_tokens_are_refused():
         T.turn([5, 6], np.zeros((2, 2), np.float32))
     with pytest.raises(ReplayDataError, match="response_mask"):
         T.align([5, 6], [1], [], width=2)
+
+
+# --------------------------------------------------------------------------- hostile inputs (issue 41, F8)
+
+
+@pytest.mark.parametrize(
+    "response, field, error, token",
+    [
+        ([5, None, 7], "response_ids", ReplayTypeError, 1),  # numpy: TypeError
+        ([5, 6, 2**70], "response_ids", ReplayDataError, 2),  # numpy: OverflowError
+        (["a", 6, 7], "response_ids", ReplayTypeError, 0),  # numpy: ValueError
+        ([5, 6.0, 7], "response_ids", ReplayTypeError, 1),  # numpy: 6 (a float is not an id)
+        ([5, -3, 7], "response_ids", ReplayDataError, 1),
+    ],
+)
+def test_response_ids_that_are_not_token_ids_are_refused_typed(response, field, error, token):
+    """Before: numpy's TypeError / OverflowError / ValueError escaped untyped, or a float was read
+    as an id; now each is the plugin's error naming the field and the position."""
+    with pytest.raises(error) as info:
+        T.align(response, [1, 1, 1], [T.turn([5, 6, 7], _rows([5, 6, 7]))], width=3, trajectory=2)
+    assert info.value.field == field and info.value.token == token and info.value.trajectory == 2
+
+
+@pytest.mark.parametrize(
+    "ids, rows, error, match",
+    [
+        ([5, None], _rows([5, 6]), ReplayTypeError, "token id None at position 1"),
+        ([5, 2**70], None, ReplayDataError, "position 1"),
+        ([5, 6], [[5, 105], [6]], ReplayDataError, "not one array"),  # ragged rows
+        ([5, 6], np.array([[5, 2**32 + 5], [6, -1]], np.int64), ReplayDataError, "would wrap"),  # int32 -> 5
+        ([5, 6], np.array([[5, 4294967295], [6, 1]], np.uint32), ReplayDataError, "would wrap"),  # int32 -> -1
+        ([5, 6], np.array([[5, -2], [6, 1]], np.int32), ReplayDataError, "generated token 0"),
+    ],
+)
+def test_a_turn_with_bad_ids_or_rows_is_refused_typed(ids, rows, error, match):
+    with pytest.raises(error, match=match):
+        T.turn(ids, rows)
+
+
+def test_a_mask_entry_that_is_not_0_or_1_is_refused():
+    turn = T.turn([5, 6], _rows([5, 6]))
+    with pytest.raises(ReplayDataError, match="entry 0.5 at position 1") as info:
+        T.align([5, 6], [1, 0.5], [turn], width=3)  # numpy's int64 cast read 0.5 as 0: a context token
+    assert info.value.field == "response_mask" and info.value.token == 1
+    assert (T.align([5, 6], [True, 1.0], [turn], width=3) == _rows([5, 6])).all()  # bool and 1.0 are 1
+
+
+# --------------------------------------------------------------------------- the server's rows_of (same ids)
+
+
+def _served(ids, sampled, exact=None):
+    from types import SimpleNamespace
+
+    from replay_plugin.core.support import SupportRows
+
+    n = len(sampled)
+    rows = SupportRows(
+        ids=np.asarray(ids, np.int32),
+        sampled=np.asarray(sampled, np.int32),
+        sampled_logprob=np.full(n, -0.5, np.float32),
+        exact=np.asarray([True] * n if exact is None else exact),
+    )
+    return SimpleNamespace(outputs=[SimpleNamespace(sample_support=rows)])
+
+
+def test_rows_of_checks_the_token_ids_verl_returns_before_reading_them():
+    """``rollout_server.rows_of`` (verl's server, ``verl.rollout_support_server``): float ids were
+    read as ints (7.9 as 7, and the row of 7 handed on for it), an id beyond int64 raised numpy's
+    OverflowError; a missing capture named the vLLM attribute ``sample_support``, not verl's field."""
+    from replay_plugin.verl.rollout_server import rows_of
+    from replay_plugin.vllm.client import ReplayDataMissing
+
+    served = _served([[5, 6], [7, 8]], [5, 7])
+    assert rows_of(served, [5, 7]).tolist() == [[5, 6], [7, 8]]
+    with pytest.raises(ReplayTypeError, match="7.9 at position 1") as info:
+        rows_of(served, [5, 7.9])
+    assert info.value.field == "rollout_sample_support" and info.value.token == 1
+    with pytest.raises(ReplayTypeError, match="5.0 at position 0"):  # an integral float is no id either
+        rows_of(served, [5.0, 7.9])
+    with pytest.raises(ReplayDataError, match="position 1"):
+        rows_of(served, [5, 2**70])
+    bare = _served([[5, 6]], [5])
+    del bare.outputs[0].sample_support
+    with pytest.raises(ReplayDataMissing, match="no support rows") as missing:
+        rows_of(bare, [5])
+    assert missing.value.field == "rollout_sample_support"
+    assert "'sample_support'" not in str(missing.value)
+    with pytest.raises(ReplayDataError, match="not the sampler's exact support") as inexact:
+        rows_of(_served([[5, 6], [7, 8]], [5, 7], exact=[True, False]), [5, 7])
+    assert inexact.value.token == 1 and "replay_sample_support_slack" in str(inexact.value)
