@@ -9,13 +9,16 @@ overrides switches the whole job on, in every process:
     +actor_rollout_ref.rollout.custom.replay_sample_support_slack=16   # optional
 
 The row width is ``W = min(top_k + slack, vocabulary)`` (slack default: the vLLM pack's
-``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK``, 16: room for ties at the k-th logit).
+``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK``, 16: room for ties at the k-th logit; at most the vLLM
+pack's ``MAX_SLACK``, which every request's slack is held to). The agent loop sends the job's slack
+with every request, so that every server builds rows of the same ``W`` whatever its environment.
 
 Pure: reads mappings and attributes, imports neither verl nor vLLM.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,13 +89,22 @@ def requested(rollout_config: Any) -> bool:
 
 
 def slack(rollout_config: Any) -> int | None:
-    """The job's slack (``custom.replay_sample_support_slack``), or None: the vLLM pack's default."""
+    """The job's slack (``custom.replay_sample_support_slack``), or None: the vLLM pack's default.
+
+    Refused (``NotReplayable`` naming the key) unless an int in ``[0, MAX_SLACK]``: the vLLM pack
+    refuses a request's slack above its cap, so a larger one would pass the server's start and fail
+    every request."""
+    from ..vllm.options import MAX_SLACK
+
     value = _custom(rollout_config).get(SLACK, None)
     if value is None:
         return None
-    if isinstance(value, bool) or not str(value).strip().isdecimal() or not str(value).strip().isascii():
-        raise NotReplayable(PREFIX + SLACK, f"{PREFIX}{SLACK}={value!r}: expected an int >= 0", value=value)
-    return int(str(value).strip())
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdecimal() or not text.isascii() or int(text) > MAX_SLACK:
+        raise NotReplayable(
+            PREFIX + SLACK, f"{PREFIX}{SLACK}={value!r}: expected an int in [0, {MAX_SLACK}]", value=value
+        )
+    return int(text)
 
 
 def job_slack(rollout_config: Any) -> int:
@@ -107,6 +119,31 @@ def width(rollout_config: Any, vocabulary: int | None) -> int:
     top_k = _get(rollout_config, "top_k")
     w = int(top_k) + job_slack(rollout_config)
     return min(w, int(vocabulary)) if vocabulary else w
+
+
+#: the size of one training batch's rows above which the agent loop warns (once per process)
+ROW_BYTES_WARNING = 1 << 30
+
+
+def row_memory_warning(config: Any, width: int) -> str | None:
+    """The warning when the rows of one training batch, int32 ``[samples, response_length, W]``
+    with ``data.train_batch_size * rollout.n`` samples (the V0 tensor; V1's jagged field holds up to
+    that), exceed :data:`ROW_BYTES_WARNING`; None below it, or where ``config`` (verl's job config)
+    does not give the sizes."""
+    rollout = _get(_get(config, "actor_rollout_ref"), "rollout")
+    sizes = (_get(_get(config, "data"), "train_batch_size"), _get(rollout, "n"), _get(rollout, "response_length"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return None
+    prompts, n, length = sizes
+    size = prompts * n * length * int(width) * 4
+    if size <= ROW_BYTES_WARNING:
+        return None
+    return (
+        f"the support rows of one training batch take up to {size / 2**30:.1f} GiB (int32 ids: data.train_batch_size "
+        f"{prompts} x actor_rollout_ref.rollout.n {n} x response_length {length} x row width W {width}), carried "
+        f"beside the batch through Ray and the TransferQueue to the engines; to lower it, lower {PREFIX}{SLACK} "
+        "(W = top_k + slack) or actor_rollout_ref.rollout.top_k, or the batch"
+    )
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:
@@ -128,11 +165,13 @@ def check_rollout_config(rollout_config: Any) -> None:
             value=top_k,
         )
     temperature = _get(rollout_config, "temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or temperature <= 0.01:
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not number or not math.isfinite(temperature) or temperature <= 0.01:
         raise NotReplayable(
             "actor_rollout_ref.rollout.temperature",
-            f"{PREFIX}{SWITCH}=true needs actor_rollout_ref.rollout.temperature > 0.01 (got {temperature!r}): "
-            "greedy decoding or vLLM's floor temperature has no support to replay",
+            f"{PREFIX}{SWITCH}=true needs a finite actor_rollout_ref.rollout.temperature > 0.01 (got "
+            f"{temperature!r}): greedy decoding or vLLM's floor temperature has no support to replay, NaN or inf no "
+            "distribution to sample from",
             value=temperature,
         )
     mode = _get(rollout_config, "logprobs_mode", PROCESSED)

@@ -8,6 +8,7 @@ none of that. Remove with the patch (see compat_matrix.yaml).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from .. import states
@@ -174,9 +175,19 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
 
 def _check_temperature(temperature: Any, where: str) -> None:
     """Refuse vLLM's floor temperature (0.01): it may be a raised smaller value (see
-    ``refusal.VLLM_TEMPERATURE_FLOOR``)."""
+    ``refusal.VLLM_TEMPERATURE_FLOOR``); and NaN or inf: vLLM (0.30) refuses them when it builds
+    ``SamplingParams``, not in parameters changed afterwards, and the replayability check's
+    ``< 0.01`` lets NaN through (the comparison is False)."""
     if isinstance(temperature, (int, float)) and temperature == VLLM_TEMPERATURE_FLOOR:
         raise refusal(f"{where} but {temperature_fix(temperature)}", "temperature", temperature)
+    if isinstance(temperature, (int, float)) and not math.isfinite(temperature):
+        raise refusal(
+            f"{where} but sampler setting 'temperature'={temperature!r} is not replayable: not a finite number "
+            "(NaN makes every logit NaN, inf makes them all equal: no sampler support to record); use a finite "
+            f"temperature > {VLLM_TEMPERATURE_FLOOR:g}, and the same in the trainer",
+            "temperature",
+            temperature,
+        )
 
 
 def _opts_in(extra: dict | None) -> bool:

@@ -150,6 +150,10 @@ def test_plan_request_on_real_sampling_params(monkeypatch):
             engine(),
             "_replay_plugin_sample_support",
         ),
+        # vLLM refuses a non-finite temperature when SamplingParams is built; one set afterwards
+        # passed the plugin's checks (NaN < 0.01 is False), issue 41 F10
+        (_with(SamplingParams(top_k=5, extra_args=opt), temperature=float("nan")), engine(), "temperature"),
+        (_with(SamplingParams(top_k=5, extra_args=opt), temperature=float("inf")), engine(), "temperature"),
         # vLLM 0.30/0.32 bound temperature to [0, 2] themselves; the plugin does not rely on it
         (
             _with(SamplingParams(top_k=5, thinking_token_budget=4, extra_args=opt), temperature=1e5),
