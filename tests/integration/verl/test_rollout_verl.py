@@ -284,13 +284,17 @@ def config_scenario(rank: int, world: int, model_dir: str) -> dict:
         "top_k 50, max_logprobs 100": [f"{r}top_k=50", f"+{r}engine_kwargs.vllm.max_logprobs=100"],
         "top_k -1": [f"{r}top_k=-1"],
         "raw logprobs": [f"{r}logprobs_mode=raw_logprobs"],
+        "slack above the cap": [f"+{r}custom.replay_sample_support_slack=2000000"],
+        "temperature nan": [f"{r}temperature=nan"],
+    }
+    #: composed without the switch
+    off = {
+        "switch off, top_k 50": [f"{r}top_k=50"],
+        "misspelt switch, top_k 50": [f"{r}top_k=50", f"+{r}custom.replay_sample_suport=true"],
     }
     out = {}
-    for name, overrides in list(cases.items()) + [("switch off, top_k 50", None)]:
-        if overrides is None:
-            config = vr.compose(model_dir, f"{r}top_k=50", switch=False)
-        else:
-            config = vr.compose(model_dir, *overrides)
+    for name, overrides in list(cases.items()) + list(off.items()):
+        config = vr.compose(model_dir, *overrides, switch=name not in off)
         server = SimpleNamespace(
             config=omega_conf_to_dataclass(config.actor_rollout_ref.rollout),
             model_config=SimpleNamespace(hf_config=SimpleNamespace(vocab_size=300)),
@@ -327,6 +331,18 @@ def test_verl_server_config_is_checked_and_fitted_before_the_engine_starts(verl_
     assert plugin["switch off, top_k 50"] == {"max_logprobs": None}
     assert plugin["top_k -1"]["setting"] == "actor_rollout_ref.rollout.top_k"
     assert plugin["raw logprobs"]["setting"] == "actor_rollout_ref.rollout.logprobs_mode"
+    # issue 41: a slack the vLLM pack would refuse on every request (F9), a NaN temperature (F10): refused
+    # here; before, the server started (max_logprobs 300, the vocabulary) and every request failed
+    slack = plugin["slack above the cap"]
+    assert slack["setting"] == "actor_rollout_ref.rollout.custom.replay_sample_support_slack", slack
+    assert "[0, 1048576]" in slack["message"]
+    assert plugin["temperature nan"]["setting"] == "actor_rollout_ref.rollout.temperature", plugin["temperature nan"]
+    # a misspelt switch (verl accepts any key under custom): refused naming it; before b652685 it read as
+    # off, silently, and the job trained over the full vocabulary (max_logprobs None, as "switch off")
+    misspelt = plugin["misspelt switch, top_k 50"]
+    assert misspelt["setting"] == "actor_rollout_ref.rollout.custom", misspelt
+    assert "replay_sample_suport" in misspelt["message"] and "did you mean" in misspelt["message"]
+    assert stock["misspelt switch, top_k 50"] == {"max_logprobs": None}  # stock verl: nothing to refuse
     assert off["top_k 4"]["setting"] == "REPLAY_PLUGIN_VERL_ROLLOUT_SUPPORT_BATCH"
     assert off["switch off, top_k 50"] == {"max_logprobs": None}
     # a vLLM capture patch off (likewise a vLLM outside their range): refused before the model loads,
