@@ -28,25 +28,34 @@ training trajectory (not validation):
   ``rollout_log_probs``.
 
 An agent loop that returns several outputs for one trajectory (V1 list outputs) is refused: the
-record cannot tell which turns each output holds. Validation batches and jobs without the switch
+record cannot tell which turns each output holds. Every request carries the job's slack, so that
+every server builds rows of the width the record pads to. In a V1 worker, a trajectory that raises
+one of the plugin's errors (here, in the server, or in the vLLM pack) tags its prompt in the
+TransferQueue on its way out, so that the trainer stops the step with it (``rollout_refusals``:
+verl V1 would drop the trajectory). Once per process, a warning when one training batch's rows
+would be large (``switch.row_memory_warning``). Validation batches and jobs without the switch
 run verl's code unchanged.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 from typing import Any
 
 import numpy as np
 
 from ..patcher import Patcher
-from . import switch, turns
+from . import rollout_refusals, switch, turns
+
+log = logging.getLogger("replay_plugin")
 
 #: the support field, and the private key a V0 sample carries it under from ``_run_agent_loop`` to
 #: ``_postprocess`` (popped there before verl reads ``extra_fields``)
 SUPPORT_KEY = switch.SUPPORT_KEY
 _STASH = "_replay_plugin_rollout_sample_support"
 _ACTIVE = False
+_MEMORY_CHECKED = False
 
 
 class _Record:
@@ -91,9 +100,10 @@ async def _client_generate(wrapped, instance, args, kwargs):
     if opt_in:
         extra = dict(params.get("extra_args") or {})
         extra[options.SUPPORT_KEY] = True
-        slack = switch.slack(getattr(instance.config.actor_rollout_ref, "rollout", {}))
-        if slack is not None:
-            extra[options.SLACK_KEY] = slack
+        # always the job's slack (its key, else this worker's REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK): a
+        # server left to its own environment could build rows of another width W than the record's, and
+        # verl's jagged V1 field cannot hold samples of different widths
+        extra[options.SLACK_KEY] = switch.job_slack(getattr(instance.config.actor_rollout_ref, "rollout", {}))
         params["extra_args"] = extra
         kwargs = {**kwargs, "sampling_params": params}
     output = await wrapped(*args, **kwargs)
@@ -123,12 +133,24 @@ def _width(worker: Any) -> int:
 
 
 async def _run_agent_loop(wrapped, instance, args, kwargs):
-    if not _ACTIVE or not switch.requested(instance.rollout_config):
+    if not _ACTIVE:
         return await wrapped(*args, **kwargs)
-    trajectory = kwargs["trajectory"] if "trajectory" in kwargs else args[1]
-    if trajectory.get("validate", False):
+    trajectory = kwargs["trajectory"] if "trajectory" in kwargs else args[1] if len(args) > 1 else None
+    try:
+        return await _run_recorded(wrapped, instance, args, kwargs, trajectory)
+    except Exception as exc:
+        # verl V1 settles a prompt's sessions with return_exceptions=True and trains on the survivors:
+        # a refusal of the plugin's is tagged on the prompt, for the trainer to raise it
+        # (verl.rollout_refusals); elsewhere a no-op
+        await rollout_refusals.tag_group(instance, kwargs, trajectory, exc)
+        raise
+
+
+async def _run_recorded(wrapped, instance, args, kwargs, trajectory):
+    if not switch.requested(instance.rollout_config) or not hasattr(trajectory, "get") or trajectory.get("validate"):
         return await wrapped(*args, **kwargs)
     record = _Record(_width(instance), getattr(instance, "llm_client", None))
+    _warn_row_memory(instance, record.width)
     token = _TRAJECTORY.set(record)
     try:
         result = await wrapped(*args, **kwargs)
@@ -139,6 +161,17 @@ async def _run_agent_loop(wrapped, instance, args, kwargs):
         mask = result.response_mask.reshape(-1).tolist()
         result.extra_fields[_STASH] = turns.align(ids, mask, record.turns, record.width, trajectory=_index(trajectory))
     return result
+
+
+def _warn_row_memory(worker: Any, width: int) -> None:
+    """Once per process: the warning when one training batch's rows are large (``switch``)."""
+    global _MEMORY_CHECKED
+    if _MEMORY_CHECKED:
+        return
+    _MEMORY_CHECKED = True
+    message = switch.row_memory_warning(getattr(worker, "config", None), width)
+    if message:
+        log.warning("replay_plugin: verl.rollout_support_batch: %s", message)
 
 
 def _index(trajectory: Any) -> int | None:

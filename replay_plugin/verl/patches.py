@@ -10,6 +10,9 @@ versions and the rest are in compat_matrix.yaml. Driven by verl's batch and conf
   (V0 ``DataProto`` and V1 TransferQueue);
 * ``verl.rollout_support_padding`` on the V1 trainer's padding template: the no-op samples verl pads
   a TransferQueue batch with get one row of ``-1``, not the first sample's rows;
+* ``verl.rollout_refusals`` on the V1 trainer's ``ReplayBuffer``: a trajectory the plugin refused in
+  the rollout (tagged on its prompt by the agent-loop half) stops the step with the plugin's error,
+  where verl V1 would drop it and train on the rest of the batch;
 
 * ``verl.fsdp_support_logprobs`` on the FSDP engine's ``prepare_model_outputs``: log-probs over
   the rollout's support when the batch carries ``rollout_sample_support``;
@@ -41,6 +44,7 @@ PATCHES = {
     "verl.rollout_support_server": Patch("replay_plugin.verl.rollout_server"),
     "verl.rollout_support_batch": Patch("replay_plugin.verl.agent_loop"),
     "verl.rollout_support_padding": Patch("replay_plugin.verl.tq_padding"),
+    "verl.rollout_refusals": Patch("replay_plugin.verl.rollout_refusals"),
     "verl.fsdp_support_logprobs": Patch(f"{_ENGINE}:install_support_logprobs"),
     "verl.fsdp_routes": Patch(f"{_ENGINE}:install_routes"),
     "verl.megatron_support_logprobs": Patch("replay_plugin.verl.megatron_engine"),

@@ -140,7 +140,10 @@ def test_llm_server_client_opts_in_the_trajectorys_own_requests_only():
     asyncio.run(own_client.generate("v", prompt_ids=[1], sampling_params=dict(sampling)))  # no trajectory open
     assert "extra_args" not in own.seen[-1]
     record, out = asyncio.run(trajectory())
-    assert own.seen[1]["extra_args"] == {"replay_sample_support": True}  # the trajectory's request opted in
+    # the trajectory's request opted in, with the job's slack (no key: this process's default, 16): a
+    # server in another environment builds rows of the same width W (issue 41, F8; before, no slack was
+    # sent and each server used its own REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK)
+    assert own.seen[1]["extra_args"] == {"replay_sample_support": True, "replay_sample_support_slack": 16}
     assert "rollout_sample_support" not in out.extra_fields  # taken out: verl never sees the rows
     assert "extra_args" not in teacher.seen[0]  # a teacher's request is not a turn
     assert "extra_args" not in own.seen[2]  # greedy: not opted in

@@ -71,7 +71,7 @@ class _Server:
         return TokenOutput(token_ids=tokens, log_probs=[-0.25] * length, extra_fields=extra)
 
 
-def _client(config, vocab):
+def _client(config, vocab, server=None):
     from verl.workers.rollout.llm_server import LLMServerClient
 
     class Client(LLMServerClient):  # verl's client; only the balancer and server handle are stood in
@@ -82,7 +82,7 @@ def _client(config, vocab):
             return None
 
     client = Client(config, None)
-    client._server = _Server(vocab)
+    client._server = _Server(vocab) if server is None else server
     return client
 
 
@@ -181,6 +181,151 @@ def v1_scenario(rank: int, world: int, model_dir: str) -> dict:
         ray.shutdown()
 
 
+def _refusing_server(vocab: int):
+    """verl's vLLM server as a Ray actor of its own (so that a refusal crosses Ray as the real
+    server's does): answers as ``_Server``, except that its first ``refuse`` requests are refused
+    with the error ``verl.rollout_support_server`` raises for an inexact row (``rollout_server.rows_of``
+    on a capture whose second row is not the sampler's exact support)."""
+    import ray
+
+    class RefusingServer:
+        def __init__(self):
+            self.answer = _Server(vocab)
+            self.refuse = 0
+
+        def set_refuse(self, count):
+            self.refuse = count
+
+        async def generate(self, **kwargs):
+            output = await self.answer._generate(**kwargs)
+            if self.refuse > 0:
+                from types import SimpleNamespace
+
+                import numpy as np
+
+                from replay_plugin.core.support import SupportRows
+                from replay_plugin.verl.rollout_server import rows_of
+
+                self.refuse -= 1
+                ids = output.token_ids
+                rows = SupportRows(
+                    ids=np.array([[t, -1] for t in ids], np.int32), sampled=np.array(ids, np.int32),
+                    sampled_logprob=np.full(len(ids), -0.25, np.float32), exact=np.arange(len(ids)) != 1,
+                )  # fmt: skip
+                rows_of(SimpleNamespace(outputs=[SimpleNamespace(sample_support=rows)]), ids)  # raises
+            return output
+
+    return ray.remote(num_cpus=0)(RefusingServer).remote()
+
+
+class _Refilled(Exception):
+    """Raised by the test's refill function: verl's replay buffer asked for the group again."""
+
+
+def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """verl's V1 loop with a server that refuses trajectories the plugin's way, four rounds of
+    prompts (each settled and cleared before the next): what the trainer's ``ReplayBuffer`` does with
+    one refused trajectory (sync ``sample``), with all refused, with ``sync_refill_failed_groups``,
+    and with the async buffer. Run with ``verl.rollout_refusals`` applied, then reverted (stock
+    verl; the other patches stay): per round the trainer's error (type, message) or what it sampled,
+    and the refills verl asked for."""
+    import time
+
+    import numpy as np
+    import ray
+
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import transfer_queue as tq
+    import verl_rollout
+    from transformers import AutoTokenizer
+
+    from replay_plugin import registry, states
+
+    verl_rollout.build_model(model_dir)
+    r = "actor_rollout_ref.rollout."
+    config = verl_rollout.compose(
+        model_dir, f"{r}n={N}", f"{r}enable_rollout_routing_replay=False", "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=sync", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+    )  # fmt: skip
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": verl_rollout._env_vars()})
+    config.transfer_queue.enable = True
+    tq.init(config.transfer_queue)
+    try:
+        from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
+        from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer, ReplayBufferAsync
+        from verl.utils import tensordict_utils as tu
+
+        server = _refusing_server(len(AutoTokenizer.from_pretrained(model_dir)))
+        manager = AgentLoopManagerTQ.create(config=config, llm_client=_client(config, 0, server))
+        sampler = config.trainer.v1.sampler
+        out: dict = {}
+        rounds = (("some", 1, "sync", False), ("all", 10**6, "sync", False), ("refill", 10**6, "sync", True),
+                  ("async", 1, "async", False))  # fmt: skip
+        step = 0
+        for run in ("plugin", "stock"):
+            if run == "stock" and "verl.rollout_refusals" in registry.get().specs:
+                registry.get().revert("verl.rollout_refusals")
+            out[run] = {"state": getattr(states.get("verl.rollout_refusals"), "state", None)}
+            for name, refuse, mode, refill_failed in rounds:
+                step += 1
+                ray.get(server.set_refuse.remote(refuse))
+                raw = np.empty(PROMPTS, dtype=object)
+                raw[:] = [[{"role": "user", "content": f"prompt number {i} " * (1 + i)}] for i in range(PROMPTS)]
+                uids = np.array([f"r{step}u{i}" for i in range(PROMPTS)], dtype=object)
+                batch = tu.get_tensordict({"raw_prompt": raw, "index": np.arange(PROMPTS), "uid": uids})
+                tu.assign_non_tensor_data(batch, "global_steps", step)
+                tags = [{"is_prompt": True, "status": "pending", "global_steps": step}] * PROMPTS
+                tq.kv_batch_put(keys=list(batch["uid"]), partition_id="train", tags=tags)
+                started = time.monotonic()
+                manager.generate_sequences(batch)
+                refills: list = []
+
+                def refill(count, refills=refills):
+                    refills.append(count)
+                    raise _Refilled(count)
+
+                common = dict(
+                    trainer_config={}, max_off_policy_threshold=sampler.max_off_policy_threshold,
+                    max_off_policy_strategy=sampler.max_off_policy_strategy, sampler_kwargs=sampler.sampler_kwargs,
+                    poll_interval=0.2, refill_fn=refill,
+                )  # fmt: skip
+                if mode == "sync":
+                    buffer = ReplayBuffer(
+                        trainer_mode="sync", filter_groups_metric=None, sync_refill_failed_groups=refill_failed,
+                        train_batch_size=PROMPTS, gen_batch_size=1 if refill_failed else PROMPTS, **common,
+                    )  # fmt: skip
+                else:
+                    buffer = ReplayBufferAsync(trainer_mode="async", **common)
+                result: dict = {}
+                try:
+                    meta, _ = buffer.sample(global_steps=step, partition_id="train", batch_size=PROMPTS)
+                    result["trajectories"] = len(meta)
+                except _Refilled:
+                    result["refilled"] = True
+                except Exception as exc:  # noqa: BLE001 - what reaches verl's trainer
+                    result.update(error=type(exc).__name__, message=str(exc), field=getattr(exc, "field", None))
+                    result["plugin"] = type(exc).__module__.startswith("replay_plugin")
+                result["refills"] = refills
+                # every group of the round settles (verl writes its terminal status), then the round is cleared
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    listing = (tq.kv_list(partition_id="train") or {}).get("train", {})
+                    if not any(
+                        t.get("status") in ("pending", "running") for t in listing.values() if t.get("is_prompt")
+                    ):
+                        break
+                    time.sleep(0.2)
+                if listing:
+                    tq.kv_clear(keys=list(listing), partition_id="train")
+                result["seconds"] = round(time.monotonic() - started, 1)
+                out[run][name] = result
+        return out
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -202,3 +347,33 @@ def test_rows_ride_the_transfer_queue_and_verls_padding(tmp_path):
     assert out["width"] == 4 + 16  # the job's W: top_k + the default slack (the agent loop pads to it)
     assert out["pad_row"] == [[-1] * out["width"]] and out["same_rows"]
     assert out["reader"] is None
+
+
+def test_a_trajectory_the_plugin_refuses_stops_the_v1_step(tmp_path):
+    """verl V1 settles a prompt's sessions with ``return_exceptions=True`` and tags the group failed:
+    stock, a trajectory the plugin refused (here in the server, an inexact row, carried back through
+    Ray) left the batch and ``ReplayBuffer.sample`` handed the trainer the other 5 of 6 trajectories
+    without an error; with every trajectory refused verl raised its own RuntimeError without the
+    plugin's reason, and with ``sync_refill_failed_groups`` or the async buffer it asked for the group
+    again (a refusal that repeats: an endless refill). With ``verl.rollout_refusals`` the trainer's
+    sampling stops with the plugin's error, typed, naming the trajectory, the reason and the fix, before
+    verl selects, evicts or refills anything (issue 41, F1)."""
+    need("verl")
+    need_module("transfer_queue", "transferqueue")
+    (out,) = fsdp_harness.run_ranks(refusal_scenario, 1, timeout=600, model_dir=str(tmp_path / "model"))
+    stock, plugin = out["stock"], out["plugin"]
+    print(f"stock {stock}\nplugin {plugin}")
+    # stock verl 0.9.1: dropped, trained on the rest; verl's error without the reason; refills
+    assert stock["some"]["trajectories"] == PROMPTS * N - 1 and stock["some"]["refills"] == []
+    assert stock["all"]["error"] == "RuntimeError" and "no materializable trajectories" in stock["all"]["message"]
+    assert "exact support" not in stock["all"]["message"]
+    assert stock["refill"]["refilled"] and stock["async"]["refilled"]
+    for name in ("some", "all", "refill", "async"):
+        got = plugin[name]
+        assert got["error"] == "ReplayDataError" and got["plugin"], (name, got)
+        assert got["field"] == "rollout_sample_support" and got["refills"] == [], (name, got)
+        message = got["message"]
+        assert "replay-plugin refused a trajectory of verl's rollout" in message and "prompt uid 'r" in message
+        assert "not the sampler's exact support" in message and "replay_sample_support_slack" in message
+        assert "token 1" in message  # the row the server refused
+    assert plugin["state"] == "applied" and stock["state"] == "reverted"
