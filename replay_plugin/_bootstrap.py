@@ -36,17 +36,66 @@ def _remove_lazy_finder() -> None:
         sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
 
 
+class _FallbackHandler(logging.StreamHandler):
+    """The ``replay_plugin`` logger's own handler: prints a record on stderr only where no other
+    handler on its way up (the plugin's loggers, the root) would print it.
+
+    Why: a third party can mute the root. vLLM 0.30's ``vllm.entrypoints.openai.api_server`` imports
+    ``model_hosting_container_standards``, which sets the root logger *and each root handler* to
+    ERROR (SkyRL's server actor and verl's ``vllm_async_server`` import that module), so the plugin's
+    warnings ("patch ... not applied", SkyRL's repair counts) vanished there. With its own level the
+    plugin's logger creates the record; this handler prints it when the handlers above are missing,
+    or set above its level, and stays quiet where they print it (no duplicate lines). Like
+    ``logging.lastResort`` it looks up ``sys.stderr`` when it writes.
+    """
+
+    #: how the plugin's configuration recognises its handler (also across a reload of this module)
+    replay_plugin_fallback = True
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+        self.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if _printed_elsewhere(record, self):
+            return False
+        return bool(super().handle(record))
+
+
+def _printed_elsewhere(record: logging.LogRecord, own: logging.Handler) -> bool:
+    """Whether a handler other than ``own`` on the record's way up (what ``Logger.callHandlers``
+    walks) takes ``record``'s level. A ``NullHandler`` prints nothing and does not count."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None:
+        for handler in logger.handlers:
+            if handler is own or getattr(handler, "replay_plugin_fallback", False):
+                continue
+            if isinstance(handler, logging.NullHandler):
+                continue
+            if record.levelno >= handler.level:
+                return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
 def _configure_logging(cfg: settings.Settings) -> None:
+    """The ``replay_plugin`` logger gets a level of its own (``REPLAY_PLUGIN_LOG_LEVEL``, else
+    WARNING unless someone set one before activation) and the fallback handler: its warnings show
+    whatever a third party later does to the root. Prints nothing itself on the happy path."""
+    if not any(getattr(h, "replay_plugin_fallback", False) for h in log.handlers):
+        log.addHandler(_FallbackHandler())
+    level = logging.getLevelName(cfg.log_level.strip().upper()) if cfg.log_level else None
+    if isinstance(level, int):
+        log.setLevel(level)
+        return
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.WARNING)
     if cfg.log_level:
-        level = logging.getLevelName(cfg.log_level.upper())
-        if isinstance(level, int):
-            log.setLevel(level)
-            if not log.handlers:
-                handler = logging.StreamHandler()
-                handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-                log.addHandler(handler)
-        else:
-            log.warning("replay_plugin: REPLAY_PLUGIN_LOG_LEVEL=%r is not a logging level", cfg.log_level)
+        log.warning("replay_plugin: REPLAY_PLUGIN_LOG_LEVEL=%r is not a logging level; ignored", cfg.log_level)
 
 
 def activate() -> bool:

@@ -33,7 +33,8 @@ GLOBALS: dict[str, str] = {
     "fingerprint drift, failing apply) raises instead of being recorded and skipped",
     "REPLAY_PLUGIN_ALLOW_UNSUPPORTED": "`1`: apply patches to upstream versions outside the matrix (logged)",
     "REPLAY_PLUGIN_STATUS_DIR": "directory: each process writes its status there as JSON (per host, pid, rank)",
-    "REPLAY_PLUGIN_LOG_LEVEL": "level of the `replay_plugin` logger (default WARNING)",
+    "REPLAY_PLUGIN_LOG_LEVEL": "level of the `replay_plugin` logger (default WARNING, whatever another library "
+    "sets on the root logger; the plugin's own handler prints on stderr only what no other handler prints)",
     "REPLAY_PLUGIN_MATRIX": "path of an alternative compat_matrix.yaml (to try a matrix change before shipping it)",
 }
 
