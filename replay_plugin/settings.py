@@ -12,7 +12,8 @@ Global switches:
 =================================  ============================================================
 
 Feature knobs belong to a patch (``PatchSpec.knobs``) and share the prefix without colliding
-with a toggle. Unknown ``REPLAY_PLUGIN_*`` names are reported (usually a typo). Every boolean
+with a toggle. Unknown ``REPLAY_PLUGIN_*`` names are reported (usually a typo). An empty value
+counts as unset (a patch toggle keeps its default; a global switch stays off). Every boolean
 value (these variables, the ``.pth`` guard, the per-request vLLM keys) is read by
 :func:`parse_bool` or :func:`is_true`, over the one table :data:`TRUE` / :data:`FALSE`.
 """
@@ -82,11 +83,13 @@ class Settings:
     def toggle(self, name: str) -> bool | None:
         """The boolean variable ``name`` (a patch's ``REPLAY_PLUGIN_<PATCH>``), None when unset.
 
-        An unparseable value raises SettingError (the registry records it, or raises in
-        strict mode).
+        An empty value (``VAR=``, ``export VAR=$UNSET``) is unset, as for every ``REPLAY_PLUGIN_*``
+        variable (:func:`load`, the feature knobs): the patch keeps its default. Read as ``0`` it
+        switched a default-on patch off on an empty expansion. An unparseable value raises
+        SettingError (the registry records it, or raises in strict mode).
         """
         value = self.environ.get(name)
-        if value is None:
+        if value is None or not value.strip():
             return None
         return parse_bool(name, value)
 

@@ -181,6 +181,28 @@ def test_bad_toggle_value(target_module):
     assert st.state == "error" and "REPLAY_PLUGIN_TEST_PATCH='maybe'" in st.reason
 
 
+def test_empty_toggle_keeps_the_default(target_module, monkeypatch):
+    """``REPLAY_PLUGIN_<PATCH>=`` (an empty expansion) is unset: a default-on patch applies; before,
+    it read as ``0`` and the patch was ``disabled`` (issue 41: SkyRL's capture)."""
+    monkeypatch.setattr(registry.Registry, "_installed_version", staticmethod(lambda s: "1.0"))
+    reg = fresh_registry()
+    reg.register(spec(install=lambda p: p.wrap(f"{MOD}:function", add_one)))
+    cfg = settings.load({"REPLAY_PLUGIN_TEST_PATCH": ""})
+    assert reg.would_apply("test.patch", cfg) == (True, "applies")
+    assert reg.apply("test.patch", cfg).state == "applied"
+    assert target_module.function(1) == 3
+    reg.revert("test.patch")
+
+
+def test_bad_toggle_value_is_logged_when_armed(target_module, caplog):
+    reg = fresh_registry()
+    reg.register(spec(install=lambda p: None))
+    with caplog.at_level("WARNING", logger="replay_plugin"):
+        assert reg.arm(settings.load({"REPLAY_PLUGIN_TEST_PATCH": "maybe"})) == []
+    assert states.get("test.patch").state == "error"
+    assert caplog.text.count("patch test.patch not applied: REPLAY_PLUGIN_TEST_PATCH='maybe'") == 1
+
+
 def test_missing_target_is_an_error(target_module):
     target = f"{MOD}:gone"
     reg = fresh_registry()

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from replay_plugin import settings
@@ -76,3 +78,16 @@ def test_pth_guard_is_generated_from_the_one_table():
     for value in ("1", " On ", "YES", "0", "", "2", "off"):
         guard = eval(_pth.GUARD.split(" or ")[0], {"os": type("O", (), {"environ": {"REPLAY_PLUGIN_DISABLE": value}})})
         assert guard == settings.disabled({"REPLAY_PLUGIN_DISABLE": value}), value
+
+
+@pytest.mark.parametrize("value", ["", " ", "\t"])
+def test_empty_toggle_is_unset(value):
+    """``export REPLAY_PLUGIN_X=$UNSET`` gives an empty value: the patch keeps its default (issue 41:
+    read as ``0`` it switched SkyRL's capture off, and SkyRL trained on its own rows)."""
+    cfg = settings.load({"REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS": value})
+    assert cfg.toggle("REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS") is None
+    assert cfg.toggle("REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS") == cfg.toggle("REPLAY_PLUGIN_NEVER_SET")
+    # the global switches read an empty value as they read an unset one (off)
+    env = {"REPLAY_PLUGIN_STRICT": value, "REPLAY_PLUGIN_ALLOW_UNSUPPORTED": value, "REPLAY_PLUGIN_DISABLE": value}
+    assert settings.load(env) == dataclasses.replace(settings.load({}), environ=env)
+    assert settings.problems([], env) == []
