@@ -6,7 +6,12 @@ Gap (skyrl 0.4.0, ``inference_servers/utils.py:build_vllm_cli_args``): with
 wide (``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK``, default 16: room for ties at the k-th logit),
 and the plugin refuses a request whose width the engine does not allow. The wrapper raises
 ``max_logprobs`` to ``W`` (never lowers it); ``logprobs_mode="processed_logprobs"`` stays SkyRL's.
-A request's own logprobs are unchanged: ``max_logprobs`` is a cap. Remove with
+A request's own logprobs are unchanged: ``max_logprobs`` is a cap.
+
+Before SkyRL builds the arguments of a job that asks for sample support, the wrapper refuses it
+(``capture_guard.check``) where ``skyrl.sample_support_rows`` is not in place: SkyRL's servers
+would return SkyRL's own top_k rows and the job would train on them, silently. The server module
+is imported for that check (SkyRL's ``ServerGroup`` imports it right after). Remove with
 ``skyrl.sample_support_rows``.
 """
 
@@ -31,8 +36,12 @@ def support_width(cfg: Any) -> int | None:
 
 
 def _build_vllm_cli_args(wrapped, instance, args, kwargs):
-    namespace = wrapped(*args, **kwargs)
+    from . import capture_guard
+
     cfg = args[0] if args else kwargs["cfg"]
+    if capture_guard.requested(cfg.generator):
+        capture_guard.check(import_server=True)
+    namespace = wrapped(*args, **kwargs)
     width = support_width(cfg)
     if width is not None:
         current = getattr(namespace, "max_logprobs", None) or 0

@@ -27,7 +27,9 @@ is set, as on SkyRL's Megatron path, where it is off by default).
   must run inside ``replay_routes`` itself). Without them the forward is SkyRL's.
 - ``skyrl.fsdp_routes_config`` lets ``validate_inference_engine_cfg`` accept routes with
   ``trainer.strategy`` fsdp / fsdp2, with SkyRL's other R3 checks (the vLLM ``mp`` executor,
-  ``moe_enable_routing_replay``) kept, in SkyRL's words.
+  ``moe_enable_routing_replay``) kept, in SkyRL's words, as ``NotReplayable`` naming the key
+  (SkyRL's own are ``assert`` statements, which ``python -O`` strips: the job would then capture
+  routes that nothing replays, or hang on the ray executor).
 
 Routes are laid out as the plugin's batch grid ``[B, S, L, K]`` by ``core.routes.pad_batch`` (each
 trajectory's rows on its first valid tokens, compact dtype kept); rows without a route (padding,
@@ -44,6 +46,8 @@ from typing import Any
 from ..patcher import Patcher
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
+ROUTES_KEY = "generator.inference_engine.enable_return_routed_experts"
+REPLAY_KEY = "trainer.policy.megatron_config.moe_enable_routing_replay"
 MODEL_WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.model_wrapper"
 WORKER_METHODS = (
     "PolicyWorkerBase._forward_backward_micro",
@@ -201,12 +205,25 @@ def _validate_inference_engine_cfg(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
     finally:
         ie.enable_return_routed_experts = True
-    assert ie.distributed_executor_backend == "mp", (
-        "rollout router replay (r3) can hang with the ray backend - use the vLLM mp backend instead"
-    )
-    assert cfg.trainer.policy.megatron_config.moe_enable_routing_replay, (
-        "moe_enable_routing_replay must be True to consume rollout expert indices"
-    )
+    from ..core.errors import NotReplayable
+
+    backend = ie.distributed_executor_backend
+    if backend != "mp":
+        raise NotReplayable(
+            "generator.inference_engine.distributed_executor_backend",
+            f"rollout router replay (r3) can hang with the ray backend - use the vLLM mp backend instead "
+            f"(generator.inference_engine.distributed_executor_backend={backend!r} with "
+            f"{ROUTES_KEY}=true; set it to mp)",
+            value=backend,
+        )
+    if not cfg.trainer.policy.megatron_config.moe_enable_routing_replay:
+        raise NotReplayable(
+            REPLAY_KEY,
+            f"moe_enable_routing_replay must be True to consume rollout expert indices ({ROUTES_KEY}=true "
+            f"with {REPLAY_KEY} off: the routes would be captured and never replayed; set {REPLAY_KEY}=true, "
+            f"or {ROUTES_KEY}=false)",
+            value=cfg.trainer.policy.megatron_config.moe_enable_routing_replay,
+        )
     return result
 
 

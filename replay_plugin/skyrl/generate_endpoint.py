@@ -17,7 +17,11 @@ With the patch, for a request that asked ``return_sample_support``:
   the sampled logprobs, never a repaired row; SkyRL's own rows are not built;
 - a row that is not exact follows the knob ``REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS_ON_INEXACT``:
   ``error`` (default) answers HTTP 500 naming the token and the fix, ``repair`` keeps the plugin's
-  row with the sampled id put in (logged with counts);
+  row and, where the sampled id is missing from it, writes the id into its first padding slot, or
+  over its last (least likely) member when the row is full, as SkyRL's own repair does (logged
+  with counts). A value of the knob that is neither refuses every request asking for support
+  (HTTP 500 naming the variable): the patch still applies (were it left off, SkyRL would answer
+  with its own rows), and SkyRL's width patches refuse such a job at start (``capture_guard``);
 - a request the plugin cannot capture (sampler settings that are not replayable, an engine without
   the capture) is answered HTTP 400 / 500 with the reason instead of SkyRL's top-k rows.
 
@@ -41,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from ..patcher import Patcher
-from .patches import ON_INEXACT_ENV, ON_INEXACT_POLICIES
+from .capture_guard import on_inexact
+from .patches import ON_INEXACT_ENV
 
 log = logging.getLogger("replay_plugin")
 
@@ -64,15 +69,6 @@ _ACTIVE = False
 #: The request being served in this task (set by the route, read by the engine stand-in and by
 #: the row builder, which SkyRL calls in the same task).
 _CURRENT: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("replay_plugin_skyrl_request", default=None)
-
-
-def on_inexact() -> str:
-    import os
-
-    value = os.environ.get(ON_INEXACT_ENV, "error").strip().lower() or "error"
-    if value not in ON_INEXACT_POLICIES:
-        raise ValueError(f"{ON_INEXACT_ENV}={value!r}: expected one of {', '.join(ON_INEXACT_POLICIES)}")
-    return value
 
 
 # --------------------------------------------------------------------------- the engine stand-in
@@ -108,10 +104,11 @@ class _CapturingEngine:
 def _mark_support_requests(endpoint: Any) -> Any:
     """SkyRL's endpoint function, wrapped: a request whose body asks ``return_sample_support``
     runs with a fresh :class:`_Request` in :data:`_CURRENT`; the plugin's refusals become HTTP
-    errors with their message (SkyRL's endpoint has no handler for them: a bare 500)."""
+    errors with their message (SkyRL's endpoint has no handler for them: a bare 500). A bad
+    ``ON_INEXACT`` value refuses such a request before the engine runs."""
     from fastapi import HTTPException, Request
 
-    from ..core.errors import ReplayDataError
+    from ..core.errors import NotReplayable, ReplayDataError
     from ..vllm.refusal import SampleSupportRefused
 
     async def skyrl_generate(request: Request):
@@ -120,6 +117,10 @@ def _mark_support_requests(endpoint: Any) -> Any:
         body = await request.json()  # starlette keeps the parsed body: SkyRL's own call reads it again
         if not isinstance(body, dict) or not body.get("return_sample_support", False):
             return await endpoint(request)
+        try:
+            on_inexact()
+        except NotReplayable as exc:  # the server's configuration, not the request's fault
+            raise HTTPException(status_code=500, detail=f"replay_plugin: {exc}") from exc
         token = _CURRENT.set(_Request())
         try:
             return await endpoint(request)
@@ -199,15 +200,20 @@ def support_rows(output: Any, flat: Any, top_k: int) -> tuple[list[dict[str, flo
             )
         ids = ids.copy()
         missing = [int(t) for t in inexact if not (ids[t] == rows.sampled[t]).any()]
+        overwritten = 0
         for t in missing:
             filled = int((ids[t] >= 0).sum())
+            overwritten += filled >= ids.shape[1]
+            # the first padding slot, or over the last (least likely) member of a full row
             ids[t, min(filled, ids.shape[1] - 1)] = rows.sampled[t]
         log.warning(
-            "replay_plugin: skyrl.sample_support_rows: %d of %d support rows inexact (%d lacked the sampled id and got "
-            "it put in; %s=repair); first at token %d",
+            "replay_plugin: skyrl.sample_support_rows: %d of %d support rows inexact; %d lacked the sampled id: "
+            "%d got it in a padding slot, %d had their last member overwritten by it (%s=repair); first at token %d",
             inexact.size,
             len(rows),
             len(missing),
+            len(missing) - overwritten,
+            overwritten,
             ON_INEXACT_ENV,
             tok,
         )
@@ -222,7 +228,12 @@ def _deactivate() -> None:
 
 def install(patcher: Patcher) -> None:
     global _ACTIVE
-    on_inexact()  # a bad knob value refuses the patch (recorded), before any request
+    from ..core.errors import NotReplayable
+
+    try:
+        on_inexact()
+    except NotReplayable as exc:  # applied all the same: each support request is refused instead
+        log.warning("replay_plugin: skyrl.sample_support_rows: %s", exc)
     patcher.wrap("VLLMServerActor._add_custom_endpoints", _add_custom_endpoints)
     patcher.wrap("_sample_support_from_flat_logprobs", _rows)
     _ACTIVE = True

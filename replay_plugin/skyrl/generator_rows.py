@@ -17,6 +17,11 @@ globals and defaults; everything else is SkyRL's own code. ``_rows_of_their_widt
 array as it is (its own width) and reshapes anything else as SkyRL did: top-k-wide rows give
 exactly SkyRL's result. The wrapper calls the rewritten function; revert restores SkyRL's. Remove
 when SkyRL reads the width from the rows.
+
+When the generator's config asks for sample support, the wrapper first refuses the job
+(``capture_guard.check_once``, once per process) where ``skyrl.sample_support_rows`` is not in
+place: this patch would otherwise take SkyRL's own top_k rows as gladly as the plugin's. It covers
+the jobs ``skyrl.engine_support_width`` did not check (that patch off, servers started elsewhere).
 """
 
 from __future__ import annotations
@@ -114,6 +119,10 @@ def install(patcher: Patcher) -> None:
     rewritten = rewrite(original)
 
     def agent_loop(wrapped, instance, args, kwargs):
+        from . import capture_guard
+
+        if capture_guard.requested(getattr(instance, "generator_cfg", None)):
+            capture_guard.check_once()
         return rewritten(instance, *args, **kwargs)
 
     patcher.wrap(TARGET, agent_loop)

@@ -3,7 +3,8 @@ versions and the rest are in compat_matrix.yaml. Switched on by SkyRL's own conf
 else (README "SkyRL"):
 
 * ``skyrl.sample_support_rows`` on the vLLM server actor module: ``/skyrl/v1/generate`` returns the
-  plugin's exact rows (``generate_endpoint``);
+  plugin's exact rows (``generate_endpoint``); where it is not in place, the two width patches
+  refuse a job that asks for sample support (``capture_guard``);
 * ``skyrl.engine_support_width`` on ``inference_servers/utils``: the engine allows the rows' width
   (``engine_args``);
 * ``skyrl.generator_support_width`` on the gym generator: SkyRL's agent loop takes rows as wide as
@@ -26,8 +27,10 @@ ON_INEXACT_KNOB = Knob(
     ON_INEXACT_ENV,
     "error",
     "what `/skyrl/v1/generate` does with a support row that is not the sampler's exact support (more ties "
-    "than the slack covers): `error` (HTTP 500 naming the token and the fix) or `repair` (the sampled id is "
-    "put into the row; logged with counts)",
+    "than the slack covers): `error` (HTTP 500 naming the token and the fix) or `repair` (trains on the "
+    "row; a sampled id missing from it goes into its first padding slot, or overwrites the row's last "
+    "member when the row is full; logged with counts); any other value refuses sample-support jobs and "
+    "requests, naming the variable",
 )
 
 PATCHES = {

@@ -245,10 +245,14 @@ def test_skyrl_fsdp_worker_replays_with_skyrls_r3_keys(patched, tie_model, monke
 
 def test_skyrl_config_accepts_r3_on_fsdp():
     """SkyRL refuses routes unless trainer.strategy is megatron; with the plugin the fsdp strategy
-    passes, and SkyRL's other R3 checks stay (the mp executor, moe_enable_routing_replay)."""
+    passes, and SkyRL's other R3 checks stay (the mp executor, moe_enable_routing_replay), as
+    typed refusals naming the key: SkyRL's own are asserts, and so were the plugin's, which
+    ``python -O`` strips (issue 41, F11; shown in a fresh interpreter below)."""
     need("skyrl")
     from skyrl.train.config.config import SkyRLTrainConfig
     from skyrl.train.utils import utils
+
+    from replay_plugin.core.errors import NotReplayable
 
     def cfg(**over):
         c = SkyRLTrainConfig()
@@ -262,11 +266,36 @@ def test_skyrl_config_accepts_r3_on_fsdp():
     with pytest.raises(AssertionError, match="only supported with Megatron training backend"):
         stock(cfg())
     utils.validate_inference_engine_cfg(cfg())
-    with pytest.raises(AssertionError, match="use the vLLM mp backend"):
+    with pytest.raises(NotReplayable, match="use the vLLM mp backend") as refused:
         utils.validate_inference_engine_cfg(cfg(backend="ray"))
-    with pytest.raises(AssertionError, match="moe_enable_routing_replay must be True"):
+    assert refused.value.setting == "generator.inference_engine.distributed_executor_backend"
+    with pytest.raises(NotReplayable, match="moe_enable_routing_replay must be True") as refused:
         utils.validate_inference_engine_cfg(cfg(replay=False))
+    assert refused.value.setting == "trainer.policy.megatron_config.moe_enable_routing_replay"
     assert cfg().generator.inference_engine.enable_return_routed_experts  # the flag is restored
+
+    # under python -O (asserts stripped) both still refuse
+    import replay_tests_conftest as top
+
+    code = (
+        "from skyrl.train.config.config import SkyRLTrainConfig\n"
+        "from skyrl.train.utils import utils\n"
+        "assert False, 'asserts run'\n"  # stripped: proves -O is in effect
+        "for backend, replay in (('ray', True), ('mp', False)):\n"
+        "    c = SkyRLTrainConfig(); c.trainer.strategy = 'fsdp'\n"
+        "    c.generator.inference_engine.enable_return_routed_experts = True\n"
+        "    c.generator.inference_engine.distributed_executor_backend = backend\n"
+        "    c.trainer.policy.megatron_config.moe_enable_routing_replay = replay\n"
+        "    try:\n"
+        "        utils.validate_inference_engine_cfg(c)\n"
+        "        print('ACCEPTED', backend, replay)\n"
+        "    except Exception as exc:\n"
+        "        print('REFUSED', backend, replay, type(exc).__name__)\n"
+    )
+    proc = top.run_python(code, env={"PYTHONOPTIMIZE": "1", "FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ACCEPTED", "REFUSED"))]
+    assert lines == ["REFUSED ray True NotReplayable", "REFUSED mp False NotReplayable"], proc.stdout[-2000:]
 
 
 CHAT_TEMPLATE = (
