@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from .patches import ON_INEXACT_ENV, ON_INEXACT_POLICIES
@@ -45,13 +46,14 @@ SUPPORT_KEY = "generator.inference_engine.enable_return_sample_support_set"
 _checked = False  # the generator's check passed in this process
 
 
-def on_inexact() -> str:
-    """The policy for inexact rows: ``error`` (unset or empty) or ``repair``.
+def on_inexact(environ: Mapping[str, str] | None = None) -> str:
+    """The policy for inexact rows in ``environ`` (default: this process's): ``error`` (unset or
+    empty) or ``repair``.
 
     Raises:
         NotReplayable: any other value, naming the variable and its allowed values.
     """
-    raw = os.environ.get(ON_INEXACT_ENV, "")
+    raw = (os.environ if environ is None else environ).get(ON_INEXACT_ENV, "")
     value = raw.strip().lower() or "error"
     if value in ON_INEXACT_POLICIES:
         return value

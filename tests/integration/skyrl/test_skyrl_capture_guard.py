@@ -78,6 +78,9 @@ if len(sys.argv) > 1:  # SkyRL's own agent loop, against a port nothing listens 
     from transformers import AutoTokenizer
 
     class OneTurn(BaseTextEnv):
+        def __init__(self, env_config=None, extras=None):
+            super().__init__()
+
         def step(self, action):
             return BaseTextEnvStepOutput(observations=[], reward=0.0, done=True, metadata={})
 
@@ -177,3 +180,32 @@ def test_generator_refuses_when_the_engine_args_patch_did_not_check(tie_model):
     assert out["states"]["skyrl.generator_support_width"][0] == "applied"
     assert out["support"] == {"max_logprobs": out["stock"]}  # the gap the generator's check covers
     _refused(out["agent_loop"], TOGGLE, SUPPORT_KEY, f"patch {PATCH} disabled")
+
+
+def test_server_refuses_support_requests_while_the_knob_is_bad(monkeypatch):
+    """In SkyRL's server the patch stays applied with a bad knob value and refuses each request
+    that asks for support, naming the variable, before the engine runs (SkyRL's own
+    ``_add_custom_endpoints`` on a FastAPI app; the engine stand-in fails if it is reached)."""
+    need("skyrl", "vllm")
+    from argparse import Namespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from skyrl.backends.skyrl_train.inference_servers.vllm_server_actor import VLLMServerActor
+
+    class Unreached:
+        async def generate(self, *args, **kwargs):
+            raise AssertionError("the engine was reached")
+            yield  # an async generator, as vLLM's
+
+    app = FastAPI()
+    VLLMServerActor._add_custom_endpoints(app, Unreached(), Namespace(enable_lora=False))
+    client = TestClient(app, raise_server_exceptions=False)
+    body = {"token_ids": [1, 2], "return_sample_support": True, "sampling_params": {"top_k": TOP_K, "max_tokens": 2}}
+    monkeypatch.setenv(KNOB, "repiar")
+    resp = client.post("/skyrl/v1/generate", json=body)
+    assert resp.status_code == 500, resp.text
+    assert f"{KNOB}='repiar'" in resp.json()["detail"] and "error, repair" in resp.json()["detail"]
+    monkeypatch.setenv(KNOB, "repair")  # a good value: the request goes on to the engine
+    with pytest.raises(AssertionError, match="the engine was reached"):
+        TestClient(app).post("/skyrl/v1/generate", json=body)
