@@ -18,10 +18,10 @@ With the patch, for a request that asked ``return_sample_support``:
 - a row that is not exact follows the knob ``REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS_ON_INEXACT``:
   ``error`` (default) answers HTTP 500 naming the token and the fix, ``repair`` keeps the plugin's
   row and, where the sampled id is missing from it, writes the id into its first padding slot, or
-  over its last (least likely) member when the row is full, as SkyRL's own repair does (logged
-  with counts). A value of the knob that is neither refuses every request asking for support
-  (HTTP 500 naming the variable): the patch still applies (were it left off, SkyRL would answer
-  with its own rows), and SkyRL's width patches refuse such a job at start (``capture_guard``);
+  over its last (least likely) member when the row is full (logged with counts). A value of the
+  knob that is neither refuses every request asking for support (HTTP 500 naming the variable):
+  the patch still applies (were it left off, SkyRL would answer with its own rows), and SkyRL's
+  width patches refuse such a job at start (``capture_guard``);
 - a request the plugin cannot capture (sampler settings that are not replayable, an engine without
   the capture) is answered HTTP 400 / 500 with the reason instead of SkyRL's top-k rows.
 

@@ -209,3 +209,39 @@ def test_server_refuses_support_requests_while_the_knob_is_bad(monkeypatch):
     monkeypatch.setenv(KNOB, "repair")  # a good value: the request goes on to the engine
     with pytest.raises(AssertionError, match="the engine was reached"):
         TestClient(app).post("/skyrl/v1/generate", json=body)
+
+
+def test_repair_fills_a_padding_slot_or_overwrites_the_last_member(monkeypatch, caplog):
+    """``ON_INEXACT=repair`` as README "SkyRL" words it: a sampled id missing from an inexact row goes
+    into the row's first padding slot, or overwrites its last member when the row is full; the
+    server's log counts both (vLLM's own output and flat-logprob types, the plugin's rows on it)."""
+    need("skyrl", "vllm")
+    import logging
+
+    import numpy as np
+    from vllm.logprobs import FlatLogprobs
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.core.support import SupportRows
+    from replay_plugin.skyrl.generate_endpoint import support_rows
+
+    completion = CompletionOutput(index=0, text="", token_ids=[9, 9], cumulative_logprob=None, logprobs=None)
+    completion.sample_support = SupportRows(
+        ids=np.array([[5, 6, 7], [5, -1, -1]], np.int32),
+        sampled=np.array([9, 9], np.int32),
+        sampled_logprob=np.array([-1.0, -1.0], np.float32),
+        exact=np.array([False, False]),
+    )
+    output = RequestOutput("r", None, [1], None, [completion], finished=True)
+    flat = FlatLogprobs(start_indices=[0, 1], end_indices=[1, 2], token_ids=[9, 9], logprobs=[-1.0, -1.0],
+                        ranks=[1, 1], decoded_tokens=[None, None])  # fmt: skip
+    with pytest.raises(ReplayDataError, match="2 of 2 rows are not the sampler's exact support") as refused:
+        support_rows(output, flat, 2)  # the default policy
+    assert refused.value.token == 0
+    monkeypatch.setenv(KNOB, "repair")
+    with caplog.at_level(logging.WARNING, logger="replay_plugin"):
+        content, ids = support_rows(output, flat, 2)
+    assert ids.tolist() == [[5, 6, 9], [5, 9, -1]]
+    assert content == [{"logprob": -1.0}, {"logprob": -1.0}]
+    assert "1 got it in a padding slot, 1 had their last member overwritten by it" in caplog.text
