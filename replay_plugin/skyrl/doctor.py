@@ -78,9 +78,13 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
 
 
 def _check_knob(environ: Mapping[str, str]) -> list[Finding]:
-    from .patches import ON_INEXACT_ENV, ON_INEXACT_POLICIES
+    """The job's ``ON_INEXACT`` value, read by the rule the server reads it by (``capture_guard``)."""
+    from ..core.errors import NotReplayable
+    from .capture_guard import on_inexact
+    from .patches import ON_INEXACT_ENV
 
-    value = environ.get(ON_INEXACT_ENV)
-    if value is None or value.strip().lower() in ON_INEXACT_POLICIES:
-        return []
-    return [(f"{ON_INEXACT_ENV}={value!r} is not one of {', '.join(ON_INEXACT_POLICIES)}", f"unset {ON_INEXACT_ENV}")]
+    try:
+        on_inexact(environ)
+    except NotReplayable as exc:
+        return [(str(exc), f"unset {ON_INEXACT_ENV} or set it to error or repair")]
+    return []

@@ -417,6 +417,12 @@ def test_doctor_names_the_silent_skyrl_cases(tmp_path):
     assert len(off) == 1 and "skyrl.sample_support_rows disabled" in off[0]["problem"], off
     off = findings({"REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT": "0"})
     assert len(off) == 1 and "vllm.sample_support disabled" in off[0]["problem"], off
+    # ON_INEXACT read by the server's own rule (capture_guard.on_inexact): empty is the default
+    # (error), a typo refuses the job at start, so the doctor names it
+    knob = "REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS_ON_INEXACT"
+    assert findings({knob: ""}) == []
+    typo = findings({knob: "repiar"})
+    assert len(typo) == 1 and "'repiar'" in typo[0]["problem"] and "error, repair" in typo[0]["problem"], typo
 
 
 def test_skyrl_ray_workers_keep_the_route_patches():
