@@ -4,8 +4,8 @@ it: the jagged ``input_ids`` ``[b, j]`` of its no-padding mode, the response of 
 jagged from the TransferQueue), non-tensor flags, and errors re-worded in verl's terms (the batch
 field, the micro-batch row and its ``uid``, the token's index within its response).
 
-Shared by the engine patches (``fsdp_engine``, ``megatron_engine``); imports verl only inside
-functions that are handed verl's objects.
+Shared by the engine patches (``fsdp_engine``, ``megatron_engine``, ``megatron_r3_layout``);
+imports verl only inside functions that are handed verl's objects.
 
 The checks both engines make of a micro-batch with support rows live here, so that one rule holds
 for both (issue 41): the rows are signed integers that fit the int32 rows the engines score (an
@@ -14,10 +14,21 @@ token has a support row (verl has no synthetic EOS: a token without support woul
 the full vocabulary or not at all), a per-sample temperature is finite and positive (dividing by
 a negative one inverts that sample's logits), and a nested field is jagged (verl's and the
 TransferQueue's layout; a strided nested tensor has no offsets).
+
+So does the one rule for routed-expert replay (R3) on both engines (issue 41 F7): with
+``router_replay.mode=R3`` a sequence none of whose positions scoring a loss-bearing token has a
+captured route (``routed_experts`` rows all zero, which verl's agent loop leaves for tokens it did
+not capture) is refused, naming the field, the row, its uid and the rollout setting
+(:func:`check_captured`); a partial capture is counted and warned once per process. The FSDP
+engine's plugin replay routes such rows by the model (R3 would be a no-op), verl's own Megatron R3
+replays them as a ``[0, 0, ...]`` route (expert 0 alone). All-zero means "not captured" only for a
+top-k >= 2 model, whose real routes never repeat an expert; a top-1 model's ``[0]`` row is a valid
+route to expert 0 and cannot be told apart (:func:`uncaptured_rows`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +40,11 @@ VERL_FIELDS = {"support_ids": SUPPORT_KEY, "loss_mask": "loss_mask", "input_ids"
 
 #: the largest support id the engines' int32 rows hold (the Megatron adapter narrows to int32)
 MAX_ID = 2**31 - 1
+
+#: verl's batch field of the rollout's routed experts (``[b, j, L, K]`` jagged like input_ids)
+ROUTES_KEY = "routed_experts"
+
+log = logging.getLogger("replay_plugin")
 
 
 def non_tensor(data: Any, key: str, default: Any) -> Any:
@@ -283,3 +299,136 @@ def in_verl_terms(
         where += f", uid {getattr(uid[row], 'data', uid[row])}"
     problem = str(exc).split(": ", 1)[-1]
     return ReplayDataError(field, f"{problem} [{where}]", trajectory=row, token=token, expected=expected)
+
+
+# --------------------------------------------------------------------------- routed experts (R3)
+
+
+def per_token_rows(micro_batch: Any, key: str, indices: Any, lengths: Any) -> Any:
+    """``[nnz, ...]`` rows of a per-token field (one row per token of ``input_ids``): jagged like
+    ``input_ids`` (verl's nesting; each sequence's rows checked against its length) or dense
+    ``[B, S_pad, ...]`` next to ``attention_mask``."""
+    import torch
+
+    field = micro_batch[key]
+    nnz = int(indices.numel())
+    if not isinstance(field, torch.Tensor):
+        raise ReplayTypeError(key, f"got {type(field).__name__}", expected="a torch tensor, jagged like input_ids")
+    check_jagged(field, key)
+    if field.is_nested:
+        got = field.offsets().diff().to(lengths.device)
+        if got.shape != lengths.shape:
+            raise ReplayDataError(key, f"{got.numel()} sequences", expected=f"{lengths.numel()} like input_ids")
+        bad = (got != lengths).nonzero()
+        if bad.numel():
+            b = int(bad[0, 0])
+            raise ReplayDataError(
+                key, f"{int(got[b])} rows for a sequence of {int(lengths[b])} tokens", trajectory=b,
+                expected="one row per token of input_ids",
+            )  # fmt: skip
+        rows = field.values()
+    elif "attention_mask" in micro_batch.keys() and not micro_batch["attention_mask"].is_nested:
+        attention = micro_batch["attention_mask"]
+        if field.dim() < 2 or tuple(field.shape[:2]) != tuple(attention.shape):
+            raise ReplayDataError(
+                key, f"dense shape {tuple(field.shape)}",
+                expected=f"[{attention.shape[0]}, {attention.shape[1]}, ...]: one row per position of attention_mask "
+                f"{list(attention.shape)} (or jagged like input_ids)",
+            )  # fmt: skip
+        rows = field[attention.bool()]
+    else:
+        raise ReplayDataError(
+            key, f"dense shape {tuple(field.shape)} without a dense attention_mask", expected="jagged"
+        )
+    if rows.shape[0] != nnz:
+        raise ReplayDataError(key, f"{rows.shape[0]} rows for {nnz} tokens", expected="one row per token of input_ids")
+    return rows.to(indices.device) if isinstance(rows, torch.Tensor) else rows
+
+
+def uncaptured_rows(routes: Any) -> Any:
+    """``[...]`` bool of ``routes [..., L, K]``: the rows that are all zero, which mean "not
+    captured" (verl's agent loop fills them for tokens without a route). Only a top-k >= 2 model
+    can be told: its real rows never repeat an expert; a top-1 model's ``[0]`` is a valid route to
+    expert 0, so nothing counts as uncaptured there (K == 1: all False)."""
+    import torch
+
+    if routes.shape[-1] < 2:
+        return torch.zeros(routes.shape[:-2], dtype=torch.bool, device=routes.device)
+    return ~routes.flatten(-2).any(-1)  # a reduction: no temporary the size of the routes
+
+
+def loss_positions(micro_batch: Any, mask: Any, lengths: Any) -> Any:
+    """``[B, S]`` bool: the grid positions whose output scores a loss-bearing response token (the
+    position before it); without a loss mask in the micro-batch, every position the engine ran
+    that predicts a token (all but each sequence's last)."""
+    import torch
+
+    from ..core.inputs import as_mask
+
+    batch, seq = mask.shape
+    device = mask.device
+    keys = micro_batch.keys()
+    if "loss_mask" not in keys or "responses" not in keys:
+        scoring = mask.clone()
+        scoring[torch.arange(batch, device=device), lengths - 1] = False
+        return scoring
+    response = response_lengths(micro_batch, batch).to(device)
+    check_prompts(response, lengths)
+    loss = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
+    r_max = int(response.max())
+    t = torch.arange(r_max, device=device)
+    inside = t[None, :] < response[:, None]
+    columns = ((lengths - response)[:, None] + t[None, :])[inside]
+    rows_of = torch.arange(batch, device=device)[:, None].expand(batch, r_max)[inside]
+    scoring = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+    scoring[rows_of, columns - 1] = loss[:, :r_max].to(device)[inside]
+    return scoring
+
+
+#: the patches that have warned of a partial capture in this process (once each)
+_WARNED_PARTIAL: set[str] = set()
+
+
+def check_captured(
+    batch: Any, no_route: Any, mask: Any, lengths: Any, *, patch: str, fate: str, unit: str = "micro-batch"
+) -> tuple[int, int]:
+    """Refuse a sequence of an R3 batch none of whose positions that score a loss-bearing token
+    carries a captured route (``no_route [B, S]``: True where there is none, e.g.
+    :func:`uncaptured_rows`): R3 was asked for and would not replay the rollout there (verl's
+    FSDP engine with the plugin: a no-op, measured in issue 41 as route agreement equal to no
+    replay; verl's own Megatron R3: every token on expert 0 alone). The likely cause is a rollout
+    that returned no routes. Returns ``(replayed, scoring)`` counts, logged per call at debug
+    level; a partial capture is warned once per process and ``patch``. ``fate`` says what the engine
+    does with uncaptured rows (a verb phrase: "are routed by the model itself"), ``unit`` what a row
+    is a row of ("micro-batch", or "batch" before verl splits it)."""
+    import torch
+
+    scoring = loss_positions(batch, mask, lengths)
+    replayed = scoring & ~no_route
+    missing = scoring.any(dim=1) & ~replayed.any(dim=1)
+    counts = torch.stack([replayed.sum(), scoring.sum(), missing.long().argmax(), missing.any().long()])
+    n_replayed, n_scoring, first, refuse = counts.tolist()  # one host sync
+    if refuse:
+        raise in_verl_terms(
+            ReplayDataError(
+                ROUTES_KEY,
+                f"router_replay.mode=R3, but none of the {int(scoring[first].sum())} positions scoring this sequence's "
+                f"loss-bearing tokens has a captured route (all-zero rows mean not captured; such rows {fate}): R3 "
+                "would replay none of the rollout's routes for it. The rollout most likely returned no routes",
+            ),
+            batch, first, None, unit=unit,
+            expected="the rollout's routed experts: actor_rollout_ref.rollout.enable_rollout_routing_replay=true "
+            "(vLLM's enable_return_routed_experts), or router_replay.mode=disabled",
+        )  # fmt: skip
+    log.debug("%s: %d of %d positions scoring loss-bearing tokens replayed", patch, n_replayed, n_scoring)
+    if n_replayed < n_scoring and patch not in _WARNED_PARTIAL:
+        _WARNED_PARTIAL.add(patch)
+        log.warning(
+            "%s: %d of %d positions scoring loss-bearing tokens have no captured route (all-zero rows); such rows "
+            "%s; logged once per process",
+            patch,
+            n_scoring - n_replayed,
+            n_scoring,
+            fate,
+        )
+    return n_replayed, n_scoring

@@ -41,7 +41,9 @@ capture) are routed by the model itself. A sequence none of whose positions scor
 token has a captured route is refused (R3 was asked for and would be a no-op there: the rollout
 returned no routes), naming the row, its uid and the rollout flag; the replayed positions are
 counted per micro-batch (debug log; a partial capture is logged once per process as a warning).
-Support rows are checked by ``engine_batch.response_support``, one rule with the Megatron engine.
+Both rules are ``engine_batch``'s (``check_captured``, ``response_support``), one with the Megatron
+engine. A top-1 model's all-zero ``[0]`` row is a valid route to expert 0: it is replayed, and a
+top-1 rollout that returned no routes cannot be told apart.
 Refused with an error naming the setting: static
 ``pad_to_length`` and fused kernels with either replay (the layout / the logits are not the
 plugin's), ``router_replay.mode: R2`` on FSDP, R3 without ``routed_experts`` in the batch, and
@@ -52,7 +54,6 @@ slice, and the log-probs are wrong whatever is replayed).
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -60,22 +61,19 @@ from typing import Any
 from ..patcher import Patcher
 from .engine_batch import (
     REPLAY_OFF,
+    ROUTES_KEY,
     batch_grid,
-    check_jagged,
-    check_prompts,
+    check_captured,
     in_verl_terms,
+    per_token_rows,
     replay_mode,
-    response_lengths,
-    response_rows,
     response_support,
+    uncaptured_rows,
     uniform_temperature,
 )
 from .engine_batch import non_tensor as _non_tensor
 from .switch import SUPPORT_KEY
 
-log = logging.getLogger("replay_plugin")
-
-ROUTES_KEY = "routed_experts"
 #: modules of the engines the patches serve (VeOmni and others reuse the methods: refused)
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
 VEOMNI_PREFIX = "verl.workers.engine.veomni"
@@ -121,49 +119,6 @@ def _check_engine(engine: Any, what: str) -> None:
                 "+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2",
                 value=attn or None,
             )
-
-
-def _per_token_rows(micro_batch: Any, key: str, indices: Any, lengths: Any) -> Any:
-    """``[nnz, ...]`` rows of a per-token field (one row per token of ``input_ids``): jagged like
-    ``input_ids`` (verl's nesting; each sequence's rows checked against its length) or dense
-    ``[B, S_pad, ...]`` next to ``attention_mask``."""
-    import torch
-
-    from ..core.errors import ReplayDataError, ReplayTypeError
-
-    field = micro_batch[key]
-    nnz = int(indices.numel())
-    if not isinstance(field, torch.Tensor):
-        raise ReplayTypeError(key, f"got {type(field).__name__}", expected="a torch tensor, jagged like input_ids")
-    check_jagged(field, key)
-    if field.is_nested:
-        got = field.offsets().diff().to(lengths.device)
-        if got.shape != lengths.shape:
-            raise ReplayDataError(key, f"{got.numel()} sequences", expected=f"{lengths.numel()} like input_ids")
-        bad = (got != lengths).nonzero()
-        if bad.numel():
-            b = int(bad[0, 0])
-            raise ReplayDataError(
-                key, f"{int(got[b])} rows for a sequence of {int(lengths[b])} tokens", trajectory=b,
-                expected="one row per token of input_ids",
-            )  # fmt: skip
-        rows = field.values()
-    elif "attention_mask" in micro_batch.keys() and not micro_batch["attention_mask"].is_nested:
-        attention = micro_batch["attention_mask"]
-        if field.dim() < 2 or tuple(field.shape[:2]) != tuple(attention.shape):
-            raise ReplayDataError(
-                key, f"dense shape {tuple(field.shape)}",
-                expected=f"[{attention.shape[0]}, {attention.shape[1]}, ...]: one row per position of attention_mask "
-                f"{list(attention.shape)} (or jagged like input_ids)",
-            )  # fmt: skip
-        rows = field[attention.bool()]
-    else:
-        raise ReplayDataError(
-            key, f"dense shape {tuple(field.shape)} without a dense attention_mask", expected="jagged"
-        )
-    if rows.shape[0] != nnz:
-        raise ReplayDataError(key, f"{rows.shape[0]} rows for {nnz} tokens", expected="one row per token of input_ids")
-    return rows.to(indices.device) if isinstance(rows, torch.Tensor) else rows
 
 
 # --------------------------------------------------------------------------- verl.fsdp_support_logprobs
@@ -295,7 +250,7 @@ def route_scope(engine: Any, micro_batch: Any) -> Any:
     _check_engine(engine, "routed-expert replay")
     ids, mask, indices, lengths = batch_grid(micro_batch["input_ids"])
     batch, seq = ids.shape
-    values = _per_token_rows(micro_batch, ROUTES_KEY, indices, lengths)
+    values = per_token_rows(micro_batch, ROUTES_KEY, indices, lengths)
     if values.dim() != 3:
         raise ReplayDataError(ROUTES_KEY, f"rows of shape {tuple(values.shape[1:])}", expected="[L, K] per token")
     values = values.to(ids.device)
@@ -304,83 +259,15 @@ def route_scope(engine: Any, micro_batch: Any) -> Any:
     grid = grid.view(batch, seq, *values.shape[1:])
     no_route = ~mask
     no_route[torch.arange(batch, device=ids.device), lengths - 1] = True  # the engine never ran the last token
-    if grid.shape[-1] >= 2:  # rows verl's agent loop left uncaptured (a real top-k row repeats no id)
-        no_route |= (grid == 0).flatten(2).all(-1)
-    check_captured(micro_batch, no_route, mask, lengths)
+    no_route |= uncaptured_rows(grid)  # rows verl's agent loop left uncaptured (top-k >= 2 only)
+    check_captured(micro_batch, no_route, mask, lengths, patch="verl.fsdp_routes", fate=UNCAPTURED_FATE)
     packed = bool(_non_tensor(micro_batch, "use_remove_padding", True))
     sp_group = engine.ulysses_parallel_group if packed and getattr(engine, "use_ulysses_sp", False) else None
     return replay_routes(engine.module, grid, no_route, indices=indices if packed else None, sp_group=sp_group)
 
 
-def _loss_positions(micro_batch: Any, mask: Any, lengths: Any) -> Any:
-    """``[B, S]`` bool: the grid positions whose output scores a loss-bearing response token (the
-    position before it); without a loss mask in the micro-batch, every position the engine ran
-    that predicts a token (all but each sequence's last)."""
-    import torch
-
-    from ..core.inputs import as_mask
-
-    batch, seq = mask.shape
-    device = mask.device
-    keys = micro_batch.keys()
-    if "loss_mask" not in keys or "responses" not in keys:
-        scoring = mask.clone()
-        scoring[torch.arange(batch, device=device), lengths - 1] = False
-        return scoring
-    response = response_lengths(micro_batch, batch).to(device)
-    check_prompts(response, lengths)
-    loss = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
-    r_max = int(response.max())
-    t = torch.arange(r_max, device=device)
-    inside = t[None, :] < response[:, None]
-    columns = ((lengths - response)[:, None] + t[None, :])[inside]
-    rows_of = torch.arange(batch, device=device)[:, None].expand(batch, r_max)[inside]
-    scoring = torch.zeros(batch, seq, dtype=torch.bool, device=device)
-    scoring[rows_of, columns - 1] = loss[:, :r_max].to(device)[inside]
-    return scoring
-
-
-_WARNED_PARTIAL = False
-
-
-def check_captured(micro_batch: Any, no_route: Any, mask: Any, lengths: Any) -> tuple[int, int]:
-    """Refuse a sequence of an R3 micro-batch none of whose positions that score a loss-bearing
-    token carries a captured route (all-zero rows, which mean "not captured"): R3 was asked for and
-    would be a silent no-op there (measured in issue 41: route agreement equal to no replay). The
-    likely cause is a rollout that returned no routes. Returns ``(replayed, scoring)`` counts, logged
-    per micro-batch at debug level; a partial capture is logged once per process as a warning."""
-    global _WARNED_PARTIAL
-    scoring = _loss_positions(micro_batch, mask, lengths)
-    replayed = scoring & ~no_route
-    missing = scoring.any(dim=1) & ~replayed.any(dim=1)
-    import torch
-
-    counts = torch.stack([replayed.sum(), scoring.sum(), missing.long().argmax(), missing.any().long()])
-    n_replayed, n_scoring, first, refuse = counts.tolist()  # one host sync
-    if refuse:
-        from ..core.errors import ReplayDataError
-
-        raise in_verl_terms(
-            ReplayDataError(
-                ROUTES_KEY,
-                f"router_replay.mode=R3, but none of the {int(scoring[first].sum())} positions scoring this sequence's "
-                "loss-bearing tokens has a captured route (all-zero rows mean not captured): R3 would replay nothing "
-                "for it. The rollout most likely returned no routes",
-            ),
-            micro_batch, first, None,
-            expected="the rollout's routed experts: actor_rollout_ref.rollout.enable_rollout_routing_replay=true "
-            "(vLLM's enable_return_routed_experts), or router_replay.mode=disabled",
-        )  # fmt: skip
-    log.debug("verl.fsdp_routes: %d of %d positions scoring loss-bearing tokens replayed", n_replayed, n_scoring)
-    if n_replayed < n_scoring and not _WARNED_PARTIAL:
-        _WARNED_PARTIAL = True
-        log.warning(
-            "verl.fsdp_routes: %d of %d positions scoring loss-bearing tokens have no captured route (all-zero rows) "
-            "and are routed by the model itself; logged once per process",
-            n_scoring - n_replayed,
-            n_scoring,
-        )
-    return n_replayed, n_scoring
+#: what the FSDP route patch does with a row without a captured route
+UNCAPTURED_FATE = "are routed by the model itself"
 
 
 class _Scope:

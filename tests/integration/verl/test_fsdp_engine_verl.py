@@ -508,16 +508,16 @@ def test_jagged_routes_must_line_up_with_each_sequence():
     from tensordict import TensorDict
 
     from replay_plugin.core.errors import ReplayDataError
-    from replay_plugin.verl import engine_batch, fsdp_engine
+    from replay_plugin.verl import engine_batch
 
     ids = torch.nested.nested_tensor_from_jagged(torch.arange(7), offsets=torch.tensor([0, 3, 7]))
     _, _, indices, lengths = engine_batch.batch_grid(ids)
     good = torch.nested.nested_tensor_from_jagged(torch.zeros(7, 2, 2), offsets=torch.tensor([0, 3, 7]))
     shifted = torch.nested.nested_tensor_from_jagged(torch.zeros(7, 2, 2), offsets=torch.tensor([0, 4, 7]))
-    rows = fsdp_engine._per_token_rows(TensorDict({"r": good}, batch_size=[2]), "r", indices, lengths)
+    rows = engine_batch.per_token_rows(TensorDict({"r": good}, batch_size=[2]), "r", indices, lengths)
     assert tuple(rows.shape) == (7, 2, 2)
     with pytest.raises(ReplayDataError, match="trajectory 0: 4 rows for a sequence of 3 tokens"):
-        fsdp_engine._per_token_rows(TensorDict({"r": shifted}, batch_size=[2]), "r", indices, lengths)
+        engine_batch.per_token_rows(TensorDict({"r": shifted}, batch_size=[2]), "r", indices, lengths)
 
 
 def test_rows_in_layouts_the_engines_cannot_read():
@@ -530,7 +530,7 @@ def test_rows_in_layouts_the_engines_cannot_read():
     from tensordict import TensorDict
 
     from replay_plugin.core.errors import ReplayDataError
-    from replay_plugin.verl import engine_batch, fsdp_engine
+    from replay_plugin.verl import engine_batch
 
     ids = torch.nested.nested_tensor_from_jagged(torch.arange(1, 8), offsets=torch.tensor([0, 3, 7]))
     _, mask, indices, lengths = engine_batch.batch_grid(ids)
@@ -553,16 +553,17 @@ def test_rows_in_layouts_the_engines_cannot_read():
 
     attention = mask.long()  # [2, 4]
     good = TensorDict({"r": torch.zeros(2, 4, 2, 2), "attention_mask": attention}, batch_size=[2])
-    assert tuple(fsdp_engine._per_token_rows(good, "r", indices, lengths).shape) == (7, 2, 2)
+    assert tuple(engine_batch.per_token_rows(good, "r", indices, lengths).shape) == (7, 2, 2)
     longer = TensorDict({"r": torch.zeros(2, 9, 2, 2), "attention_mask": attention}, batch_size=[2])
     with pytest.raises(ReplayDataError, match=r"dense shape \(2, 9, 2, 2\).*\[2, 4, \.\.\.\]") as info:
-        fsdp_engine._per_token_rows(longer, "r", indices, lengths)
+        engine_batch.per_token_rows(longer, "r", indices, lengths)
     assert info.value.field == "r"
 
 
 def test_partly_captured_routes_are_counted(caplog):
     """Issue 41 F7: an R3 micro-batch is checked for captured routes where they matter, the
-    positions that score loss-bearing tokens: ``check_captured`` returns (replayed, scoring), logs
+    positions that score loss-bearing tokens: ``engine_batch.check_captured`` (one rule with the
+    Megatron engine) returns (replayed, scoring), logs
     them, and warns once per process when some have no captured route (routed by the model);
     a sequence with none is refused (the engine test covers that through verl)."""
     need("verl")
@@ -583,17 +584,23 @@ def test_partly_captured_routes_are_counted(caplog):
     # at columns 2, 3); row 1 columns 2, 3 (response tokens at columns 2, 3, 4; the first one masked)
     no_route = ~mask
     no_route[1, 3] = True  # one of row 1's scoring positions not captured
-    fsdp_engine._WARNED_PARTIAL = False
+    engine_batch._WARNED_PARTIAL.discard("verl.fsdp_routes")
+
+    def check():
+        return engine_batch.check_captured(
+            micro_batch, no_route, mask, lengths, patch="verl.fsdp_routes", fate=fsdp_engine.UNCAPTURED_FATE
+        )
+
     with caplog.at_level(logging.DEBUG, logger="replay_plugin"):
-        assert fsdp_engine.check_captured(micro_batch, no_route, mask, lengths) == (3, 4)
-        assert fsdp_engine.check_captured(micro_batch, no_route, mask, lengths) == (3, 4)
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert check() == (3, 4)
+        assert check() == (3, 4)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "replay_plugin"]
     assert len(warnings) == 1 and "1 of 4 positions scoring loss-bearing tokens have no captured route" in (
         warnings[0].getMessage()
     )
     no_route[1, 2] = True  # row 1: none left
     with pytest.raises(ReplayDataError, match="none of the 2 positions") as info:
-        fsdp_engine.check_captured(micro_batch, no_route, mask, lengths)
+        check()
     assert (info.value.field, info.value.trajectory) == ("routed_experts", 1)
 
 
