@@ -320,6 +320,78 @@ def hostile_scenario(rank: int, world: int, model_dir: str) -> dict:
     return out
 
 
+def zero_routes_scenario(rank: int, world: int, model_dir: str) -> dict:
+    """verl's own R3 (``router_replay.mode=R3``) on a bfloat16 engine over the float32 rollout's
+    batch, through ``compute_log_prob``, with the rollout's routes, with routes that are all zero for
+    the whole batch (the rollout returned none: verl's agent loop fills zeros) and for sample 2
+    only, and without R3: per case, each sample's share of replayed tokens (all but each sequence's
+    last) on the rollout's experts in every layer, the share routed to expert 0 alone, the largest
+    change of each sample's response log-probs against the captured routes' replay and expert 0's
+    gate weight of the first token; or the error."""
+    import torch
+
+    from replay_plugin.core.errors import NotReplayable, ReplayDataError
+
+    vm = _vm()
+    ve = vm.setup(rank, world)
+    vm.save_model_dir(model_dir)
+    rollout_model = vm.build_model("float32", r3=True)
+    roll = vm.rollout(rollout_model, PROMPTS, RESPONSE, TOP_K, WIDTH, 1.0, seed=7)
+    lengths = torch.tensor([len(p) + len(r) for p, r in zip(PROMPTS, roll["responses"], strict=True)])
+    total = int(lengths.sum())
+    replayed = torch.ones(total, dtype=torch.bool)
+    replayed[lengths.cumsum(0) - 1] = False  # verl's R3 mask leaves each sequence's last token native
+    sample = torch.repeat_interleave(torch.arange(len(PROMPTS)), lengths)
+    want = torch.cat(roll["routes"]).long()
+    trainer = vm.build_model("bfloat16", r3=True)
+    trainer.load_state_dict(rollout_model.state_dict())
+    zero = [torch.zeros_like(r) for r in roll["routes"]]
+    cases = {
+        "captured": ("R3", roll["routes"]),
+        "no_r3": ("disabled", roll["routes"]),
+        "zero_batch": ("R3", zero),
+        "zero_sample_2": ("R3", [zero[i] if i == 2 else r for i, r in enumerate(roll["routes"])]),
+    }
+    out: dict = {}
+    log_probs = {}
+    gates: list = []  # each router's gate weights [tokens, experts], in call order
+
+    def gate_hook(module, args, output):
+        gates.append(output[0].detach().float())
+
+    routers = [m for _, m in trainer.named_modules() if hasattr(m, "router_replay") and hasattr(m, "routing")]
+    for name, (mode, routes) in cases.items():
+        batch = ve.make_batch(PROMPTS, roll["responses"], pad_id=0, routed_experts=routes)
+        engine = vm.build_engine(trainer, model_dir, router_replay_mode=mode, micro_batch_size=len(PROMPTS))
+        spy = vm.route_spy(trainer)
+        gates.clear()
+        hooks = [m.register_forward_hook(gate_hook) for m in routers]
+        try:
+            log_probs[name] = ve.infer(engine, batch, 1.0, enable_routing_replay=mode == "R3")["log_probs"]
+        except (ReplayDataError, NotReplayable) as exc:
+            out[name] = {"error": type(exc).__name__, "text": str(exc), "field": getattr(exc, "field", None),
+                         "trajectory": getattr(exc, "trajectory", None)}  # fmt: skip
+            continue
+        finally:
+            spy.close()
+            for h in hooks:
+                h.remove()
+        # THD, TP 1, one micro-batch: the routers' rows are the packed tokens in sequence order
+        maps = torch.stack([m[:total] for _, m in sorted(spy.maps.items())], 1)  # [T, layers, E]
+        agree = (spy.routes(total) == want).all(-1).all(-1)
+        expert0 = (maps.sum(-1) == 1).all(-1) & maps[:, :, 0].all(-1)
+        out[name] = {
+            "agreement": [float(agree[replayed & (sample == i)].float().mean()) for i in range(len(PROMPTS))],
+            "expert0_alone": [float(expert0[replayed & (sample == i)].float().mean()) for i in range(len(PROMPTS))],
+            "gate0": float(gates[0][0, 0]),
+        }
+    mask = ve.make_batch(PROMPTS, roll["responses"], pad_id=0)["response_mask"].bool()
+    for name, lp in log_probs.items():
+        change = (lp - log_probs["captured"]).abs()
+        out[name]["dlp"] = [float(change[i][mask[i]].max()) for i in range(len(PROMPTS))]
+    return out
+
+
 # --------------------------------------------------------------------------- tests
 
 
@@ -460,3 +532,102 @@ def test_verl_megatron_engine_refuses_hostile_batches(model_dir):
     strided = out["strided_support"]
     assert strided.get("error") == "ReplayDataError" and strided["field"] == "rollout_sample_support", strided
     assert "strided" in strided["text"], strided
+
+
+def test_verl_megatron_r3_refuses_routes_that_were_not_captured(model_dir):
+    """Issue 41 F7 on verl's Megatron engine: all-zero routed_experts (the rollout returned none;
+    verl's agent loop fills zeros) under verl's own R3. verl (the check off) is no no-op here: it
+    replays each zero row as the route [0, 0], every replayed token of those sequences goes to
+    expert 0 alone (none on the rollout's experts) and their log-probs move against the captured
+    routes' replay, without a word, for the whole batch and for one sample alike (the others are
+    untouched). With verl.megatron_r3_layout the batch is refused before compute naming
+    routed_experts, the first such sample (batch row, uid) and enable_rollout_routing_replay;
+    captured routes replay as before. (A top-1 model's [0] is a valid route: not refused, not
+    tested.)"""
+    need("verl")
+    need("megatron-core")
+    verl = _run(zero_routes_scenario, {"REPLAY_PLUGIN_VERL_MEGATRON_R3_LAYOUT": "0"}, model_dir=model_dir)
+    plugin = _run(zero_routes_scenario, model_dir=model_dir)
+
+    def r(values):
+        return [round(v, 3) for v in values]
+
+    print(
+        f"verl's Megatron R3, bf16 engine, tokens on the rollout's experts per sample: captured routes "
+        f"{r(verl['captured']['agreement'])}, no R3 {r(verl['no_r3']['agreement'])}, all-zero routes "
+        f"{r(verl['zero_batch']['agreement'])} (on expert 0 alone {r(verl['zero_batch']['expert0_alone'])}, its gate "
+        f"{verl['zero_batch']['gate0']:.3f}; max |d logprob| vs the captured replay {r(verl['zero_batch']['dlp'])}), "
+        f"sample 2 zero {r(verl['zero_sample_2']['agreement'])} (max |d logprob| {r(verl['zero_sample_2']['dlp'])}); "
+        f"plugin: {plugin['zero_batch'].get('text')}; {plugin['zero_sample_2'].get('text')}"
+    )
+    assert verl["captured"]["agreement"] == [1.0] * 4 and min(verl["no_r3"]["agreement"]) < 1.0, verl
+    zero_batch, zero_one = verl["zero_batch"], verl["zero_sample_2"]
+    assert zero_batch["agreement"] == [0.0] * 4 and zero_batch["expert0_alone"] == [1.0] * 4, zero_batch
+    assert min(zero_batch["dlp"]) > 0.05, zero_batch  # every sample's log-probs moved
+    assert zero_one["agreement"] == [1.0, 1.0, 0.0, 1.0] and zero_one["expert0_alone"][2] == 1.0, zero_one
+    assert zero_one["dlp"][2] > 0.05 and max(zero_one["dlp"][i] for i in (0, 1, 3)) < 1e-6, zero_one
+
+    assert plugin["captured"]["agreement"] == [1.0] * 4 and plugin["captured"]["dlp"] == [0.0] * 4, plugin
+    for case, row in (("zero_batch", 0), ("zero_sample_2", 2)):
+        got = plugin[case]
+        assert got.get("error") == "ReplayDataError", (case, got)
+        assert (got["field"], got["trajectory"]) == ("routed_experts", row), (case, got)
+        assert f"[batch row {row}, uid uid-{row}]" in got["text"], (case, got)
+        assert "enable_rollout_routing_replay=true" in got["text"] and "expert 0 alone" in got["text"], (case, got)
+
+
+def test_megatron_r3_capture_check_reads_verls_route_layouts(caplog):
+    """verl.megatron_r3_layout's capture check on the engine's whole batch, before verl splits it
+    (one rule with the FSDP engine, ``engine_batch.check_captured``): routes one row short of the
+    sequence (verl's ``align_r3_router_replay_data`` accepts them: the last row is never replayed)
+    are read; a partial capture is counted and warned once per process, naming what verl's R3 does
+    with the rows (expert 0 alone); a sequence with none is refused naming the batch row and uid; a
+    top-1 model's [0] rows are valid routes (nothing refused); routes verl itself will refuse (two
+    rows short) and batches verl does not replay (enable_routing_replay false) pass unchecked."""
+    need("verl")
+    import logging
+
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from replay_plugin.core.errors import ReplayDataError
+    from replay_plugin.verl import engine_batch, megatron_r3_layout
+
+    engine = type("Engine", (), {})()
+    engine.engine_config = type("Cfg", (), {"router_replay": {"mode": "R3"}})()
+
+    def jagged(values, lengths):
+        return torch.nested.nested_tensor_from_jagged(values, offsets=torch.tensor([0, *lengths]).cumsum(0))
+
+    def batch(routes, route_lengths=(3, 5), replay=True):
+        td = TensorDict(
+            {
+                "input_ids": jagged(torch.arange(1, 10), (4, 5)),
+                "responses": jagged(torch.arange(5), (2, 3)),
+                "loss_mask": jagged(torch.tensor([1, 1, 0, 1, 1]), (2, 3)),
+                "routed_experts": jagged(routes, route_lengths),
+            },
+            batch_size=[2],
+        )
+        tu.assign_non_tensor(td, enable_routing_replay=replay, uid=["u0", "u1"])
+        return td
+
+    # scoring positions (the one before each loss-bearing token): sequence 0 positions 1, 2;
+    # sequence 1 positions 2, 3 (its first response token carries no loss)
+    routes = torch.tensor([[1, 2], [3, 4], [0, 0], [5, 6], [6, 7], [1, 3], [2, 4], [0, 0]]).view(8, 1, 2)
+    engine_batch._WARNED_PARTIAL.discard("verl.megatron_r3_layout")
+    with caplog.at_level(logging.DEBUG, logger="replay_plugin"):
+        assert megatron_r3_layout.check_captured_routes(engine, batch(routes)) == (3, 4)
+        assert megatron_r3_layout.check_captured_routes(engine, batch(routes)) == (3, 4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "replay_plugin"]
+    assert len(warnings) == 1 and "1 of 4 positions" in warnings[0] and "expert 0 alone" in warnings[0], warnings
+    none = routes.clone()
+    none[5:7] = 0  # sequence 1's positions 2 and 3
+    with pytest.raises(ReplayDataError, match=r"none of the 2 positions.*\[batch row 1, uid u1\]") as info:
+        megatron_r3_layout.check_captured_routes(engine, batch(none))
+    assert (info.value.field, info.value.trajectory) == ("routed_experts", 1)
+    assert "enable_rollout_routing_replay=true" in str(info.value)
+    assert megatron_r3_layout.check_captured_routes(engine, batch(torch.zeros(8, 1, 1, dtype=torch.long))) == (4, 4)
+    assert megatron_r3_layout.check_captured_routes(engine, batch(none[:7], route_lengths=(2, 5))) is None
+    assert megatron_r3_layout.check_captured_routes(engine, batch(none, replay=False)) is None
