@@ -28,6 +28,14 @@ Two halves, joined by the prompt's TransferQueue tag (verl merges tags key by ke
 
 Jobs without the plugin's refusals run verl's code unchanged (one extra ``kv_list`` per poll that
 finds new failed groups). V0 needs nothing: its ``asyncio.gather`` propagates the first error.
+
+With ``REPLAY_PLUGIN_VERL_ROLLOUT_REFUSALS=0`` (or wherever the patch would not apply, as
+``registry.would_apply`` reads it in the worker's process) verl's own behaviour returns: the worker
+writes no tag and the refused trajectory is dropped. That choice is made visible where it happens:
+each such trajectory is logged by the worker at WARNING on the ``replay_plugin`` logger, naming the
+trajectory (prompt uid, session, sample index), the plugin's reason, that it is dropped because
+the patch is off, and how many this worker has dropped so far.
+
 Remove when verl's V1 rollout lets a trajectory's error stop the step (or names a policy for it).
 """
 
@@ -40,8 +48,12 @@ from ..patcher import Patcher
 
 log = logging.getLogger("replay_plugin")
 
+#: this patch's name (its toggle: ``REPLAY_PLUGIN_VERL_ROLLOUT_REFUSALS``)
+PATCH = "verl.rollout_refusals"
 #: the key of the prompt's TransferQueue tag that carries a refusal from the worker to the trainer
 TAG = "replay_plugin_refusal"
+#: a V1 worker's count of the refused trajectories it let verl drop (the patch off)
+_DROPPED = "_replay_plugin_dropped_refusals"
 #: the module of verl's V1 agent-loop worker (``AgentLoopWorkerTQ``, a Ray actor class)
 WORKER_MODULE = "verl.trainer.ppo.v1.agent_loop_tq"
 _SEEN = "_replay_plugin_failed_seen"
@@ -90,16 +102,59 @@ def _record(error: BaseException, kwargs: dict, trajectory: Any) -> dict:
     }
 
 
+def _where(record: dict) -> str:
+    where = f"prompt uid {record.get('uid')!r}, session {record.get('session')}"
+    if record.get("sample_index") is not None:
+        where += f", sample_index {record['sample_index']}"
+    return where
+
+
+def warn_dropped(worker: Any, record: dict, why: str) -> int:
+    """Log (WARNING, ``replay_plugin``) that the refused trajectory ``record`` is dropped by verl
+    because this patch is off (``why``: ``registry.would_apply``'s reason); returns the worker's
+    count of such trajectories so far, which the message names."""
+    from ..spec import toggle_name
+
+    count = worker.__dict__.get(_DROPPED, 0) + 1
+    worker.__dict__[_DROPPED] = count
+    if why.startswith("disabled"):
+        fix = f"unset {toggle_name(PATCH)} (or set it to 1)"
+    else:
+        fix = "run a verl the patch supports (`replay-plugin status`)"
+    log.warning(
+        "%s: replay-plugin refused a trajectory of verl's rollout (%s; %s): %s. verl's V1 agent loop drops it and "
+        "trains on the group's other trajectories, because %s is off here (%s); refused trajectories dropped by "
+        "this agent-loop worker so far: %d. To stop the step with the refusal instead, %s",
+        PATCH,
+        _where(record),
+        record.get("type"),
+        record.get("message"),
+        PATCH,
+        why,
+        count,
+        fix,
+    )
+    return count
+
+
 async def tag_group(worker: Any, kwargs: dict, trajectory: Any, error: BaseException) -> None:
     """In a V1 agent-loop worker, put the plugin's ``error`` of one session into its prompt's
-    TransferQueue tag (before verl writes the group's terminal status). Anything else: nothing."""
+    TransferQueue tag (before verl writes the group's terminal status); with this patch off in the
+    worker's process, no tag (verl drops the trajectory) and a warning (:func:`warn_dropped`).
+    Anything else: nothing."""
     ours = refusal(error)
     if ours is None or "uid" not in kwargs or not _v1_worker(worker):
+        return
+    from ..registry import would_apply
+
+    record = _record(ours, kwargs, trajectory)
+    applies, why = would_apply(PATCH)
+    if not applies:
+        warn_dropped(worker, record, why)
         return
     import transfer_queue as tq
 
     validate = trajectory.get("validate", False) if hasattr(trajectory, "get") else False
-    record = _record(ours, kwargs, trajectory)
     try:
         await tq.async_kv_put(key=kwargs["uid"], partition_id="val" if validate else "train", tag={TAG: record})
     except Exception:  # the refusal itself still reaches verl: say why the trainer cannot name it
@@ -113,9 +168,7 @@ def _error(refused: list[tuple[str, str, dict]]) -> Exception:
     from ..core.errors import NotReplayable, ReplayDataError, ReplayTypeError
 
     partition, uid, first = refused[0]
-    where = f"prompt uid {uid!r}, session {first.get('session')}"
-    if first.get("sample_index") is not None:
-        where += f", sample_index {first['sample_index']}"
+    where = _where({**first, "uid": uid})
     message = str(first.get("message", ""))
     if first.get("kind") != "setting" and message.startswith("field "):
         message = message.partition(": ")[2] or message  # the field and token are named again below

@@ -226,9 +226,11 @@ def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
     """verl's V1 loop with a server that refuses trajectories the plugin's way, four rounds of
     prompts (each settled and cleared before the next): what the trainer's ``ReplayBuffer`` does with
     one refused trajectory (sync ``sample``), with all refused, with ``sync_refill_failed_groups``,
-    and with the async buffer. Run with ``verl.rollout_refusals`` applied, then reverted (stock
-    verl; the other patches stay): per round the trainer's error (type, message) or what it sampled,
-    and the refills verl asked for."""
+    and with the async buffer. Run with ``verl.rollout_refusals`` applied, then switched off (stock
+    verl; the other patches stay): reverted in the trainer, ``REPLAY_PLUGIN_VERL_ROLLOUT_REFUSALS=0``
+    in the agent-loop workers' environment (read per refusal, as a worker started with it reads it).
+    Per round the trainer's error (type, message) or what it sampled, the refills verl asked for,
+    and the ``replay_plugin`` warnings the workers logged with their count of dropped trajectories."""
     import time
 
     import numpy as np
@@ -258,14 +260,41 @@ def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
 
         server = _refusing_server(len(AutoTokenizer.from_pretrained(model_dir)))
         manager = AgentLoopManagerTQ.create(config=config, llm_client=_client(config, 0, server))
+
+        def in_workers(fn):  # on each AgentLoopWorkerTQ actor instance (nested: pickled by value)
+            return ray.get([w.__ray_call__.remote(fn) for w in manager.agent_loop_workers])
+
+        def capture_warnings(worker):
+            import logging
+
+            kept = worker.__dict__.setdefault("_test_warnings", [])
+
+            class Keep(logging.Handler):
+                def emit(self, record):
+                    if record.levelno >= logging.WARNING:
+                        kept.append(record.getMessage())
+
+            logging.getLogger("replay_plugin").addHandler(Keep())
+
+        def switch_off(worker):
+            os.environ["REPLAY_PLUGIN_VERL_ROLLOUT_REFUSALS"] = "0"
+
+        def take_warnings(worker):
+            kept = worker.__dict__.get("_test_warnings", [])
+            out, kept[:] = list(kept), []
+            return {"warnings": out, "dropped": worker.__dict__.get("_replay_plugin_dropped_refusals", 0)}
+
+        in_workers(capture_warnings)
         sampler = config.trainer.v1.sampler
         out: dict = {}
         rounds = (("some", 1, "sync", False), ("all", 10**6, "sync", False), ("refill", 10**6, "sync", True),
                   ("async", 1, "async", False))  # fmt: skip
         step = 0
         for run in ("plugin", "stock"):
-            if run == "stock" and "verl.rollout_refusals" in registry.get().specs:
-                registry.get().revert("verl.rollout_refusals")
+            if run == "stock":
+                if "verl.rollout_refusals" in registry.get().specs:
+                    registry.get().revert("verl.rollout_refusals")
+                in_workers(switch_off)
             out[run] = {"state": getattr(states.get("verl.rollout_refusals"), "state", None)}
             for name, refuse, mode, refill_failed in rounds:
                 step += 1
@@ -318,6 +347,7 @@ def refusal_scenario(rank: int, world: int, model_dir: str) -> dict:
                     time.sleep(0.2)
                 if listing:
                     tq.kv_clear(keys=list(listing), partition_id="train")
+                result["workers"] = in_workers(take_warnings)
                 result["seconds"] = round(time.monotonic() - started, 1)
                 out[run][name] = result
         return out
@@ -357,7 +387,10 @@ def test_a_trajectory_the_plugin_refuses_stops_the_v1_step(tmp_path):
     plugin's reason, and with ``sync_refill_failed_groups`` or the async buffer it asked for the group
     again (a refusal that repeats: an endless refill). With ``verl.rollout_refusals`` the trainer's
     sampling stops with the plugin's error, typed, naming the trajectory, the reason and the fix, before
-    verl selects, evicts or refills anything (issue 41, F1)."""
+    verl selects, evicts or refills anything (issue 41, F1). With the patch switched off
+    (``REPLAY_PLUGIN_VERL_ROLLOUT_REFUSALS=0``) verl drops the trajectory as before, and the worker
+    says so: one ``replay_plugin`` WARNING per refused trajectory naming it, the reason and the
+    toggle, with the worker's running count of dropped trajectories; none with the patch on."""
     need("verl")
     need_module("transfer_queue", "transferqueue")
     (out,) = fsdp_harness.run_ranks(refusal_scenario, 1, timeout=600, model_dir=str(tmp_path / "model"))
@@ -377,3 +410,20 @@ def test_a_trajectory_the_plugin_refuses_stops_the_v1_step(tmp_path):
         assert "not the sampler's exact support" in message and "replay_sample_support_slack" in message
         assert "token 1" in message  # the row the server refused
     assert plugin["state"] == "applied" and stock["state"] == "reverted"
+    for name in ("some", "all", "refill", "async"):  # the patch on: the step stops, nothing dropped
+        assert all(w == {"warnings": [], "dropped": 0} for w in plugin[name]["workers"]), (name, plugin[name])
+    # the patch off: each refused trajectory dropped, warned by its worker, counted per worker
+    dropped = 0
+    for name, refused in (("some", 1), ("all", PROMPTS * N), ("refill", PROMPTS * N), ("async", 1)):
+        warnings = [m for w in stock[name]["workers"] for m in w["warnings"]]
+        assert len(warnings) == refused, (name, warnings)
+        dropped += refused
+        assert sum(w["dropped"] for w in stock[name]["workers"]) == dropped, (name, stock[name]["workers"])
+        for message in warnings:
+            assert message.startswith("verl.rollout_refusals: replay-plugin refused a trajectory") and (
+                "prompt uid 'r" in message and "session " in message
+            ), message
+            assert "not the sampler's exact support" in message and "ReplayDataError" in message, message
+            assert "drops it" in message and "disabled: REPLAY_PLUGIN_VERL_ROLLOUT_REFUSALS=0" in message, message
+    last = max(int(m.rsplit("so far: ", 1)[1].split(".")[0]) for w in stock["async"]["workers"] for m in w["warnings"])
+    assert last == dropped, stock["async"]["workers"]  # the running count (one worker here)
