@@ -35,6 +35,13 @@ distributions PyPI has only as an sdist that must build against the venv's torch
 for skyrl's FSDP model wrapper): built with ``--no-build-isolation`` and ``build_env``. One venv per upstream
 version would cost gigabytes and minutes each; an overlay of a pure-Python upstream costs seconds
 and megabytes.
+
+A ``tree`` overlay (vLLM 0.33/0.34, whose PyPI wheels are CUDA builds) lays the Python files of an
+official release's wheel over the base's build of an older release, keeping the base's compiled
+binaries (:func:`lay_tree`); the wheel is downloaded once into $REPLAY_VENVS/wheels. An
+environment that ``runs_in`` another is a second set of tests (``env``, ``shims``) in that one's
+venv. ``shims`` are test-harness files run first in every process of the environment's pytest
+runs, through replay_test_shims.pth and $REPLAY_TEST_SHIMS (:func:`write_shims_pth`).
 """
 
 from __future__ import annotations
@@ -131,16 +138,22 @@ def lock_path(name: str) -> str:
 
 def overlay_of(name: str, cfg: dict | None = None) -> tuple[str, list[str], list[str]] | None:
     """``(base, exact pins, distributions removed)`` of an overlay environment, None for a
-    lock-file environment. Raises SystemExit on a malformed entry (base missing or itself an
-    overlay, pins not exact, a ``python`` other than the base's)."""
+    lock-file environment (and for one that ``runs_in`` another). Raises SystemExit on a
+    malformed entry (base missing or itself an overlay, pins not exact, a ``python`` other than
+    the base's). An overlay with a ``tree`` may have no pins of its own."""
     cfg = cfg or config()
     entry = cfg[name]
-    if "base" not in entry and "overlay" not in entry:
+    if "base" not in entry and "overlay" not in entry and "tree" not in entry:
         return None
-    base, pins, remove = entry.get("base"), entry.get("overlay"), entry.get("remove", [])
-    if base not in cfg or "base" in cfg[base]:
+    base, remove = entry.get("base"), entry.get("remove", [])
+    pins = entry.get("overlay", [] if "tree" in entry else None)
+    if base not in cfg or "base" in cfg[base] or "runs_in" in cfg[base]:
         raise SystemExit(f"env {name}: base {base!r} must be an environment with a lock file")
-    if not isinstance(pins, list) or not pins or not all(re.fullmatch(r"[A-Za-z0-9_.\-]+==\S+", p) for p in pins):
+    if (
+        not isinstance(pins, list)
+        or not (pins or "tree" in entry)
+        or not all(isinstance(p, str) and re.fullmatch(r"[A-Za-z0-9_.\-]+==\S+", p) for p in pins)
+    ):
         raise SystemExit(f"env {name}: overlay must be a non-empty list of exact pins (name==version), got {pins!r}")
     if not isinstance(remove, list) or not all(isinstance(r, str) for r in remove):
         raise SystemExit(f"env {name}: remove must be a list of distribution names, got {remove!r}")
@@ -184,9 +197,125 @@ def built_of(name: str, cfg: dict | None = None) -> tuple[list[str], dict[str, s
     return pins, env
 
 
+# A ``tree`` overlay takes every file of the release's wheel under its import packages except
+# what a CUDA build compiled or compiles (kept from the base instead, or not needed on a CPU):
+# shared objects, other executables (ELF), C/C++/CUDA sources and headers.
+TREE_SCHEME = "1"  # bump when the rule changes: every tree overlay is rebuilt
+TREE_SOURCE_SUFFIXES = (".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp", ".inl")
+_TREE_KEYS = {"pin", "over", "local"}
+_EXACT_PIN = r"[A-Za-z0-9_.\-]+==\S+"
+
+
+def tree_of(name: str, cfg: dict | None = None) -> dict[str, str] | None:
+    """``{"pin", "over", "local"}`` of the overlay ``name``'s ``tree`` (None when it has none):
+    the Python files of the PyPI release ``pin``'s wheel replace those of the base's
+    distribution ``over`` (whose compiled ``*.so*`` stay), under a dist-info naming ``pin``'s
+    version with the local label ``local`` ("" when absent). SystemExit on a malformed entry."""
+    cfg = cfg or config()
+    entry = cfg[name]
+    tree = entry.get("tree")
+    if tree is None:
+        return None
+    if "base" not in entry:
+        raise SystemExit(f"env {name}: tree applies to overlay environments only (it needs a base)")
+    if not isinstance(tree, dict) or not {"pin", "over"} <= set(tree) or set(tree) - _TREE_KEYS:
+        raise SystemExit(f"env {name}: tree must be a table with pin, over and optionally local, got {tree!r}")
+    pin, over, local = tree["pin"], tree["over"], tree.get("local", "")
+    if not isinstance(pin, str) or not re.fullmatch(_EXACT_PIN, pin) or "+" in pin:
+        raise SystemExit(f"env {name}: tree pin must be an exact pin of a release on PyPI (name==version), got {pin!r}")
+    if not isinstance(over, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", over):
+        raise SystemExit(f"env {name}: tree over must name a distribution of the base, got {over!r}")
+    if not isinstance(local, str) or (local and not re.fullmatch(r"[a-z0-9]+(\.[a-z0-9]+)*", local)):
+        raise SystemExit(f"env {name}: tree local must be a local version label such as 'cpu', got {local!r}")
+    if _norm(over) in {_norm(r) for r in entry.get("remove", []) if isinstance(r, str)}:
+        raise SystemExit(f"env {name}: tree over {over!r} is also in remove (the tree keeps its binaries)")
+    return {"pin": pin, "over": over, "local": local}
+
+
+def runs_in_of(name: str, cfg: dict | None = None) -> str | None:
+    """The environment whose venv ``name`` runs in (``runs_in``; None when absent): a test
+    environment of its own (``upstreams``, ``tests``, ``parts``, ``env``, ``shims``) without a
+    venv of its own. SystemExit on a malformed entry."""
+    cfg = cfg or config()
+    entry = cfg[name]
+    target = entry.get("runs_in")
+    if target is None:
+        return None
+    if not isinstance(target, str) or target not in cfg or target == name or "runs_in" in cfg[target]:
+        raise SystemExit(f"env {name}: runs_in {target!r} must name an environment with a venv of its own")
+    extra = sorted(set(entry) - {"runs_in", "upstreams", "tests", "parts", "env", "shims"})
+    if extra:
+        raise SystemExit(f"env {name}: an environment that runs_in {target} has no venv of its own; drop {extra}")
+    return target
+
+
+# Variables scripts/envs.py sets for every pytest run (tests/conftest.py's contract) or from `shims`.
+_RESERVED_VARIABLES = {
+    "REPLAY_TEST_ENV",
+    "REPLAY_TEST_UPSTREAMS",
+    "REPLAY_TEST_WHEEL",
+    "REPLAY_TEST_REPORT",
+    "REPLAY_TEST_SHIMS",
+    "PATH",
+    "PYTHONPATH",
+}
+SHIMS_PTH = "replay_test_shims.pth"
+# The .pth line (site runs lines starting with "import"; os is imported by then): each file named
+# in $REPLAY_TEST_SHIMS is executed, in its own namespace, at every interpreter start in the venv;
+# unset, the line reads one variable.
+SHIMS_PTH_LINE = (
+    "import os; [exec(compile(open(p).read(), p, 'exec'), {'__name__': 'replay_test_shim', '__file__': p})"
+    " for p in os.environ.get('REPLAY_TEST_SHIMS', '').split(os.pathsep) if p]\n"
+)
+
+
+def test_env_of(name: str, cfg: dict | None = None) -> tuple[dict[str, str], list[str]]:
+    """``(variables, shim paths)`` of the environment ``name``: ``env`` (set for its pytest runs)
+    and ``shims`` (files of the checkout, absolute, that the venv's replay_test_shims.pth runs in
+    every process of those runs, through $REPLAY_TEST_SHIMS). SystemExit on a malformed entry."""
+    cfg = cfg or config()
+    entry = cfg[name]
+    env, shims = entry.get("env", {}), entry.get("shims", [])
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise SystemExit(f"env {name}: env must be a table of strings, got {env!r}")
+    reserved = sorted(k for k in env if k in _RESERVED_VARIABLES or k.startswith("REPLAY_PLUGIN_"))
+    if reserved:
+        raise SystemExit(
+            f"env {name}: env sets {', '.join(reserved)}, which scripts/envs.py sets itself "
+            "(REPLAY_PLUGIN_* are cleared for every run: the tests set their own)"
+        )
+    if not isinstance(shims, list) or not all(isinstance(s, str) and s.endswith(".py") for s in shims):
+        raise SystemExit(f"env {name}: shims must be a list of .py files of the checkout, got {shims!r}")
+    paths = []
+    for shim in shims:
+        path = os.path.normpath(os.path.join(ROOT, shim))
+        if not os.path.isfile(path) or os.path.relpath(path, ROOT).startswith((os.pardir, "replay_plugin")):
+            raise SystemExit(
+                f"env {name}: shim {shim!r} is not a test-harness file of the checkout (never the package)"
+            )
+        paths.append(path)
+    return dict(env), paths
+
+
+def write_shims_pth(venv: str) -> None:
+    """Put replay_test_shims.pth (:data:`SHIMS_PTH_LINE`) into ``venv``'s site-packages, as a new
+    file (never written into: the venv's files may be hard links of another venv's)."""
+    (site,) = glob.glob(os.path.join(venv, "lib", "python*", "site-packages"))
+    path = os.path.join(site, SHIMS_PTH)
+    if os.path.isfile(path):
+        with open(path) as fh:
+            if fh.read() == SHIMS_PTH_LINE:
+                return
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "w") as fh:
+        fh.write(SHIMS_PTH_LINE)
+    os.replace(tmp, path)
+
+
 def python_of(name: str) -> str:
     """The Python version of ``name`` (an overlay's is its base's)."""
     cfg = config()
+    name = runs_in_of(name, cfg) or name
     overlay = overlay_of(name, cfg)
     return cfg[overlay[0] if overlay else name]["python"]
 
@@ -196,6 +325,7 @@ def env_key(name: str) -> str:
     if overlay:
         base, pins, remove = overlay
         built, build_env = built_of(name)
+        tree = tree_of(name)
         text = "\n".join(
             [
                 env_key(base),
@@ -203,6 +333,7 @@ def env_key(name: str) -> str:
                 *(f"-{r}" for r in sorted(remove)),
                 *(f"+{b}" for b in sorted(built)),
                 *(f"{k}={v}" for k, v in sorted(build_env.items())),
+                *([f"tree {tree['pin']} over {tree['over']} +{tree['local']} {TREE_SCHEME}"] if tree else []),
                 INSTALL_SCHEME,
             ]
         )
@@ -247,7 +378,15 @@ def _link(link: str, target: str) -> None:
 
 def ensure(name: str) -> str:
     """The venv of ``name``, built from its lock file (or as an overlay of its base) unless a
-    complete one exists."""
+    complete one exists; for an environment that ``runs_in`` another, that one's. With ``shims``
+    the venv gets replay_test_shims.pth (:func:`write_shims_pth`)."""
+    target = runs_in_of(name)
+    if target:
+        path = ensure(target)
+        if test_env_of(name)[1]:
+            write_shims_pth(path)
+        _link(os.path.join(ROOT, ".venvs", name), path)
+        return path
     overlay = overlay_of(name)
     path = os.path.join(venv_root(), f"{name}-{env_key(name)}")
     if not os.path.exists(os.path.join(path, ".complete")):
@@ -257,9 +396,16 @@ def ensure(name: str) -> str:
         if overlay:
             base, pins, remove = overlay
             base_path = ensure(base)
-            log(f"building {name} in {path}: {base} + {' '.join(pins)}" + "".join(f" - {r}" for r in remove))
+            log(
+                f"building {name} in {path}: {base}"
+                + "".join(f" + {p}" for p in pins)
+                + "".join(f" - {r}" for r in remove)
+            )
             built, build_env = built_of(name)
-            build_overlay(base_path, path, pins, remove, unmet_of(name), built, build_env)
+            tree = tree_of(name)
+            if tree:
+                log(f"{name}: the Python tree of {tree['pin']} over {base}'s {tree['over']}")
+            build_overlay(base_path, path, pins, remove, unmet_of(name), built, build_env, tree)
         else:
             log(f"building {name} in {path} (Python {python_of(name)}, {lock_path(name)})")
             subprocess.run([python_for(python_of(name)), "-m", "venv", path], check=True)
@@ -271,6 +417,8 @@ def ensure(name: str) -> str:
         for old in glob.glob(os.path.join(venv_root(), f"{name}-" + "[0-9a-f]" * 12)):
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
+    if test_env_of(name)[1]:
+        write_shims_pth(path)
     _link(os.path.join(ROOT, ".venvs", name), path)
     if name == "main":
         _link(os.path.join(ROOT, ".venv"), path)
@@ -320,6 +468,8 @@ def _pip_check(venv: str, names: set[str]) -> dict[str, str]:
     ).stdout
     lines = {}
     for line in out.splitlines():
+        if line.strip() == "No broken requirements found.":
+            continue
         key = line
         m = re.match(r"(\S+) (\S+) (.*)", key)
         if m and _norm(m.group(1)) in names:
@@ -351,16 +501,19 @@ def build_overlay(
     unmet: Sequence[str] = (),
     built: Sequence[str] = (),
     build_env: dict[str, str] | None = None,
+    tree: dict[str, str] | None = None,
 ) -> None:
     """The overlay venv at ``path``: ``base`` cloned, the distributions in ``remove`` uninstalled,
     ``pins`` installed over it (--no-deps), then ``built`` built from source against it
-    (--no-build-isolation, ``build_env`` set; see :func:`built_of`). SystemExit when the overlay
-    breaks a requirement ``pip check`` found met in ``base``, except requirements on a
-    distribution in ``unmet`` (logged), and when a distribution in ``unmet`` is not lacking."""
+    (--no-build-isolation, ``build_env`` set; see :func:`built_of`), then ``tree`` laid over it
+    (:func:`lay_tree`). SystemExit when the overlay breaks a requirement ``pip check`` found met
+    in ``base``, except requirements on a distribution in ``unmet`` (logged), and when a
+    distribution in ``unmet`` is not lacking."""
     clone_venv(base, path)
     if remove:
         pip(path, "uninstall", "-q", "-y", *remove)
-    pip(path, "install", "-q", "--no-deps", *pins)
+    if pins:
+        pip(path, "install", "-q", "--no-deps", *pins)
     if built:
         pip(
             path,
@@ -373,7 +526,15 @@ def build_overlay(
             *built,
             env=build_env,
         )
-    names = {_norm(p.partition("==")[0]) for p in [*pins, *built]} | {_norm(r) for r in remove}
+    if tree:
+        try:
+            lay_tree(path, release_wheel(base, tree["pin"]), tree["over"], tree["local"])
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+    trees = [tree["pin"], tree["over"]] if tree else []
+    what = " ".join([*pins, *(f"(tree {tree['pin']})" for _ in [tree] if tree)])
+    names = {_norm(p.partition("==")[0]) for p in [*pins, *built, *trees]} | {_norm(r) for r in remove}
     after, before = _pip_check(path, names), _pip_check(base, names)
     broken = sorted(line for key, line in after.items() if key not in before)
     accepted = [line for line in broken if _required(line) in {_norm(u) for u in unmet}]
@@ -384,16 +545,159 @@ def build_overlay(
     if stale and not broken:
         shutil.rmtree(path, ignore_errors=True)
         raise SystemExit(
-            f"overlay {' '.join(pins)}: unmet lists {', '.join(stale)}, but no requirement on it is unmet: "
+            f"overlay {what}: unmet lists {', '.join(stale)}, but no requirement on it is unmet: "
             "remove it from unmet in envs/envs.toml"
         )
     if broken:
         shutil.rmtree(path, ignore_errors=True)
         raise SystemExit(
-            f"overlay {' '.join(pins)} breaks requirements that held in {base}:\n  "
+            f"overlay {what} breaks requirements that held in {base}:\n  "
             + "\n  ".join(broken)
             + "\nadd the pins they need to the overlay"
         )
+
+
+def wheel_cache() -> str:
+    """Where release wheels downloaded for ``tree`` overlays are kept, beside the venvs."""
+    return os.path.join(venv_root(), "wheels")
+
+
+def release_wheel(venv: str, pin: str) -> str:
+    """The wheel of the PyPI release ``pin`` for ``venv``'s interpreter and platform, downloaded
+    with pip (--no-deps, binary only) into :func:`wheel_cache` unless a wheel of that release is
+    there already (a cache hit downloads nothing)."""
+    dist, _, version = pin.partition("==")
+    stem = f"{re.sub(r'[-_.]+', '_', dist).lower()}-{version}-"
+    cache = wheel_cache()
+    found = sorted(w for w in glob.glob(os.path.join(cache, "*.whl")) if os.path.basename(w).lower().startswith(stem))
+    if found:
+        log(f"{pin}: cached {found[0]}")
+        return found[0]
+    os.makedirs(cache, exist_ok=True)
+    start = time.time()
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        pip(venv, "download", "-q", "--no-deps", "--only-binary=:all:", "-d", tmp, pin)
+        (wheel,) = glob.glob(os.path.join(tmp, "*.whl"))
+        dest = os.path.join(cache, os.path.basename(wheel))
+        os.replace(wheel, dest)  # whole or not at all: a killed download leaves no wheel behind
+    log(
+        f"{pin}: downloaded {os.path.basename(dest)} ({os.path.getsize(dest) >> 20} MiB) in {time.time() - start:.0f} s"
+    )
+    return dest
+
+
+def _compiled(name: str) -> bool:
+    """A shared object (``x.so``, ``x.abi3.so``, ``libx.so.1``)."""
+    base = os.path.basename(name)
+    return base.endswith(".so") or ".so." in base
+
+
+def _tree_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> bool:
+    """Whether a wheel file goes into a tree overlay (see TREE_SCHEME): not a shared object, an
+    executable (ELF) or a C/C++/CUDA source or header."""
+    if info.is_dir() or _compiled(info.filename) or info.filename.endswith(TREE_SOURCE_SUFFIXES):
+        return False
+    with zf.open(info) as fh:
+        return fh.read(4) != b"\x7fELF"
+
+
+def lay_tree(venv: str, wheel: str, over: str, local: str) -> None:
+    """Replace the files of the installed distribution ``over`` in ``venv`` by the Python tree of
+    ``wheel`` (an official release: its import packages minus shared objects, executables and
+    C/C++/CUDA files), keeping ``over``'s own shared objects, and install a dist-info naming the
+    wheel's distribution at its version with the local label ``local`` (vLLM finds its CPU build
+    by "cpu" in ``version("vllm")``). ``over``'s files are unlinked, never written into (they are
+    hard links of the base venv's); its dist-info is removed (the tree's replaces it). The new
+    dist-info's METADATA has no requirements: the base's distributions are what the tree runs on,
+    not the release's pins (vllm 0.34.0 pins a CUDA torch 2.14)."""
+    (site,) = glob.glob(os.path.join(venv, "lib", "python*", "site-packages"))
+    infos = glob.glob(os.path.join(site, f"{re.sub(r'[-_.]+', '_', over).lower()}-*.dist-info")) + glob.glob(
+        os.path.join(site, f"{re.sub(r'[-_.]+', '[-_.]', over)}-*.dist-info")
+    )
+    infos = sorted(set(infos))
+    if len(infos) != 1:
+        raise SystemExit(f"tree over {over}: expected one {over} dist-info in {site}, found {infos}")
+    with zipfile.ZipFile(wheel) as zf:
+        members = zf.infolist()
+        meta_dir = next(i.filename.split("/")[0] for i in members if i.filename.endswith(".dist-info/METADATA"))
+        dist, version = meta_dir[: -len(".dist-info")].split("-")
+        tops = sorted(
+            {
+                i.filename.split("/")[0]
+                for i in members
+                if "/" in i.filename and not i.filename.split("/")[0].endswith((".dist-info", ".data"))
+            }
+        )
+        missing = [t for t in tops if not os.path.isdir(os.path.join(site, t))]
+        if missing:
+            raise SystemExit(f"tree {os.path.basename(wheel)}: {over} in {site} has no {missing}")
+        kept = 0
+        for top in tops:
+            for root, dirs, files in os.walk(os.path.join(site, top), topdown=False):
+                for f in files:
+                    if _compiled(f):
+                        kept += 1
+                    else:
+                        os.unlink(os.path.join(root, f))
+                for d in dirs:
+                    full = os.path.join(root, d)
+                    if not os.path.islink(full) and not os.listdir(full):
+                        os.rmdir(full)
+        shutil.rmtree(infos[0])
+        written = []
+        for info in members:
+            top = info.filename.split("/")[0]
+            if top not in tops or not _tree_member(zf, info):
+                continue
+            dest = os.path.join(site, *info.filename.split("/"))
+            if os.path.lexists(dest):
+                raise SystemExit(f"tree {os.path.basename(wheel)}: {info.filename} would overwrite a kept file")
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with zf.open(info) as src, open(dest, "xb") as out:
+                shutil.copyfileobj(src, out)
+            written.append(info.filename)
+        entry_points = f"{meta_dir}/entry_points.txt"
+        entry_text = zf.read(entry_points) if entry_points in zf.namelist() else b""
+    full_version = f"{version}+{local}" if local else version
+    info_dir = f"{dist}-{full_version}.dist-info"
+    os.makedirs(os.path.join(site, info_dir))
+    files = {
+        "METADATA": (
+            f"Metadata-Version: 2.1\nName: {dist}\nVersion: {full_version}\n"
+            f"Summary: the Python files of {os.path.basename(wheel)} over {os.path.basename(infos[0])}'s "
+            "compiled binaries (a scripts/envs.py tree overlay)\n"
+        ).encode(),
+        "INSTALLER": b"replay-plugin scripts/envs.py\n",
+        "top_level.txt": "".join(f"{t}\n" for t in tops).encode(),
+        **({"entry_points.txt": entry_text} if entry_text else {}),
+    }
+    for fname, data in files.items():
+        with open(os.path.join(site, info_dir, fname), "xb") as out:
+            out.write(data)
+    # RECORD (no hashes): pip can uninstall it, and `pip show -f` lists the tree and the binaries.
+    record = [
+        os.path.relpath(os.path.join(r, f), site)
+        for t in tops
+        for r, _, fs in os.walk(os.path.join(site, t))
+        for f in fs
+    ]
+    record += [f"{info_dir}/{fname}" for fname in [*files, "RECORD"]]
+    with open(os.path.join(site, info_dir, "RECORD"), "x") as out:
+        out.write("".join(f"{r},,\n" for r in sorted(record)))
+    log(f"tree {dist} {full_version}: {len(written)} files from {os.path.basename(wheel)}, {kept} shared objects kept")
+    subprocess.run(
+        [
+            os.path.join(venv, "bin", "python"),
+            "-m",
+            "compileall",
+            "-q",
+            "-j",
+            "0",
+            *(os.path.join(site, t) for t in tops),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def _requires(wheel: str) -> list[str]:
@@ -418,6 +722,8 @@ def lock(name: str) -> None:
     family) in a scratch venv and write the exact versions to envs/NAME.lock."""
     if overlay_of(name):
         raise SystemExit(f"{name} is an overlay environment: its pins are `overlay` in envs/envs.toml")
+    if runs_in_of(name):
+        raise SystemExit(f"{name} runs in {runs_in_of(name)}'s venv: lock that one")
     cfg = config()[name]
     with tempfile.TemporaryDirectory() as tmp:
         venv = os.path.join(tmp, "venv")
@@ -582,6 +888,9 @@ def ensure_locked(name: str) -> str:
     with _ensure_locks_guard:
         lock = _ensure_locks.setdefault(name, threading.Lock())
     with lock:
+        target = runs_in_of(name)
+        if target:
+            ensure_locked(target)
         overlay = overlay_of(name)
         if overlay:
             ensure_locked(overlay[0])
@@ -611,14 +920,15 @@ _installed: set[str] = set()
 
 
 def _venv_with_wheel(name: str, wheel: str) -> str:
-    """The venv of ``name`` with the plugin wheel installed (once per run, however many parts)."""
+    """The venv of ``name`` with the plugin wheel installed (once per venv and run, however many
+    parts, and however many environments run in it)."""
+    venv = ensure_locked(name)
     with _ensure_locks_guard:
-        lock = _ensure_locks.setdefault(f"install:{name}", threading.Lock())
+        lock = _ensure_locks.setdefault(f"install:{venv}", threading.Lock())
     with lock:
-        venv = ensure_locked(name)
-        if name not in _installed:
+        if venv not in _installed:
             install_wheel(venv, wheel)
-            _installed.add(name)
+            _installed.add(venv)
     return venv
 
 
@@ -640,6 +950,11 @@ def _run_pytest(
             del env[k]
     report_dir = tempfile.mkdtemp(prefix=f"replay-test-{label.replace('/', '-')}-")
     report = os.path.join(report_dir, "upstreams.json")  # tests/conftest.py writes it
+    variables, shims = test_env_of(name, cfg)
+    env.pop("REPLAY_TEST_SHIMS", None)
+    env.update(variables)
+    if shims:
+        env["REPLAY_TEST_SHIMS"] = os.pathsep.join(shims)
     env.update(
         REPLAY_TEST_ENV=name,
         REPLAY_TEST_UPSTREAMS=",".join(cfg[name]["upstreams"]),
@@ -793,7 +1108,7 @@ def main(argv: list[str]) -> int:
         return 0
     if cmd == "lock":
         cfg = config()
-        for name in rest or [n for n in cfg if not overlay_of(n, cfg)]:
+        for name in rest or [n for n in cfg if not overlay_of(n, cfg) and not runs_in_of(n, cfg)]:
             lock(name)
         return 0
     if cmd == "wheel":
@@ -811,7 +1126,11 @@ def main(argv: list[str]) -> int:
     if cmd == "run":
         (name,) = rest
         venv = ensure(name)
-        env = dict(os.environ, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""))
+        variables, shims = test_env_of(name)
+        env = dict(os.environ, **variables, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""))
+        env.pop("REPLAY_TEST_SHIMS", None)
+        if shims:  # as in the environment's pytest runs
+            env["REPLAY_TEST_SHIMS"] = os.pathsep.join(shims)
         return subprocess.run(extra, env=env).returncode
     print(__doc__)
     return 2

@@ -70,22 +70,26 @@ def _dist(name: str) -> str:
 
 def pinned(env: str) -> dict[str, str]:
     """The exact pins of test environment ``env`` of envs/envs.toml (normalised distribution name
-    -> version): its lock file, or for an overlay its base's lock without ``remove`` and with
-    the ``overlay`` pins over it."""
+    -> version): its lock file, or for an overlay its base's lock without ``remove`` (and a
+    ``tree``'s ``over``) and with the ``overlay`` (and ``tree``) pins over it; for an environment
+    that ``runs_in`` another, that one's."""
     with open(os.path.join(ROOT, "envs", "envs.toml"), "rb") as fh:
         cfg = tomllib.load(fh)
     if env not in cfg:
         raise ValueError(f"REPLAY_TEST_ENV={env!r} is not an environment of envs/envs.toml ({sorted(cfg)})")
+    if "runs_in" in cfg[env]:
+        return pinned(cfg[env]["runs_in"])
     entry = cfg[env]
+    tree = entry.get("tree", {})
     pins = {}
     with open(os.path.join(ROOT, "envs", f"{entry.get('base', env)}.lock")) as fh:
         for line in fh:
             dist, sep, version = line.split("#", 1)[0].strip().partition("==")
             if sep:
                 pins[_dist(dist)] = version
-    for dist in entry.get("remove", []):
+    for dist in [*entry.get("remove", []), *([tree["over"]] if tree else [])]:
         pins.pop(_dist(dist), None)
-    for pin in [*entry.get("overlay", []), *entry.get("build", [])]:
+    for pin in [*entry.get("overlay", []), *entry.get("build", []), *([tree["pin"]] if tree else [])]:
         dist, _, version = pin.partition("==")
         pins[_dist(dist)] = version
     return pins

