@@ -137,8 +137,13 @@ def matrix_report(check_sources: bool = True, only: Sequence[str] = (), require_
             "versions": compat.format_spec(p.versions),
             "tier": None,
         }
+        retired = compat.retired_reason(p.retired, version) if version is not None else None
         if version is None:
             row.update(state="not-installed", detail="")
+        elif retired is not None and not compat.version_in(version, p.versions):
+            # outside its range on purpose: the upstream no longer has what the patch fixes
+            tier = compat.version_tier(matrix.upstreams[p.upstream], version)
+            row.update(state="not-needed", tier=tier, detail=f"retired: {retired}")
         elif not compat.version_in(version, p.versions):
             row.update(state="unsupported", tier="unsupported", detail=f"{p.upstream} {version} outside {p.versions}")
             problems.append(f"{name}: {p.upstream} {version} is outside the supported range {p.versions}")

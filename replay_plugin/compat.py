@@ -26,11 +26,16 @@ top-level file is used. Schema (version 1)::
         fingerprints: {<version>: {<target or relied-on>: "sha256:<16 hex>"}}
                                       # a relied-on name a version does not define: "absent"
         untested: {<version range>: reason}   # optional: paths CI cannot run (e.g. GPU-only)
+        retired: {<version range>: reason}    # optional: supported upstream versions outside
+                                      # `versions` on purpose: the upstream no longer has the
+                                      # code the patch fixes (vLLM 0.34 removed the V1 sampler);
+                                      # the patch is `not-needed` there, with the reason
         why / fix / remove_when: str
 
 Each recorded version's fingerprints hold exactly the targets and the relied-on names. A
 relied-on name that one version does not define (code that moved between releases: a router
-class added, a method folded into another) is recorded as ``absent`` for it; a target never is.
+class added, a method folded into another, a module removed) is recorded as ``absent`` for it; a
+target never is.
 At run time the registry compares the targets only (resolving relied-on code would import modules the
 job may never import, such as vLLM's server in an engine process); ``replay-plugin matrix
 --check`` compares both and names each one that changed.
@@ -75,11 +80,12 @@ _PATCH_KEYS = {
     "default",
     "fingerprints",
     "untested",
+    "retired",
     "why",
     "fix",
     "remove_when",
 }
-_PATCH_REQUIRED = _PATCH_KEYS - {"untested", "fingerprints", "relies_on"}
+_PATCH_REQUIRED = _PATCH_KEYS - {"untested", "retired", "fingerprints", "relies_on"}
 
 TIERS = ("tested", "source-verified", "untested", "unsupported")
 
@@ -112,6 +118,7 @@ class MatrixPatch:
     fix: str
     remove_when: str
     relies_on: tuple[str, ...] = ()
+    retired: dict[str, str] = field(default_factory=dict)
 
     @property
     def fingerprinted(self) -> tuple[str, ...]:
@@ -172,6 +179,16 @@ def version_tier(upstream: Upstream, version: str | None) -> str | None:
     return "untested"
 
 
+def retired_reason(retired: Mapping[str, str], version: str | None) -> str | None:
+    """The reason a patch is retired at ``version`` (its matrix ``retired`` ranges), or None."""
+    if version is None:
+        return None
+    for spec, reason in retired.items():
+        if version_in(version, SpecifierSet(spec)):
+            return reason
+    return None
+
+
 def installed_version(upstream: Upstream) -> tuple[str | None, str | None]:
     """``(distribution, version)`` of the first installed distribution of ``upstream``."""
     for dist in upstream.distributions:
@@ -212,10 +229,18 @@ class StaticNameAbsent(StaticSourceError):
 
 def resolve_fingerprint(name: str) -> str:
     """:func:`source_fingerprint` of ``name`` (``module:qualname``), imported; :data:`ABSENT` when
-    the module imports and does not define it. Other failures (the module does not import, the
-    source cannot be read) raise."""
+    the module imports and does not define it, or when the module itself (or a package above it,
+    below the top-level one) is not there: removed in this version (vLLM 0.34 removed
+    ``vllm.v1.sample.sampler``). Other failures (the module does not import, the source cannot
+    be read) raise."""
     module, _, qualname = name.partition(":")
-    obj: Any = importlib.import_module(module)
+    try:
+        obj: Any = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        gone = exc.name or ""
+        if gone != module.partition(".")[0] and (module == gone or module.startswith(gone + ".")):
+            return ABSENT
+        raise
     for part in qualname.split("."):
         try:
             obj = getattr(obj, part)
@@ -236,6 +261,8 @@ def static_fingerprint(root: str, name: str, absent_ok: bool = False) -> str:
     environment instead (``scripts/sync.py --fingerprints``).
     """
     module, _, qualname = name.partition(":")
+    if absent_ok and _module_removed(root, module):
+        return ABSENT
     try:
         lines, node = _locate(root, module, qualname.split("."), depth=0)
     except StaticNameAbsent:
@@ -243,6 +270,19 @@ def static_fingerprint(root: str, name: str, absent_ok: bool = False) -> str:
             return ABSENT
         raise
     return _digest("".join(lines[_first_line(node) - 1 : _block_end(lines, node)]))
+
+
+def _module_removed(root: str, module: str) -> bool:
+    """Whether ``module`` has no source under ``root`` while its top-level package has (the
+    version read does not have it), as :func:`resolve_fingerprint` judges an import."""
+    top = module.partition(".")[0]
+    if top == module or not os.path.isdir(os.path.join(root, top)):
+        return False
+    try:
+        _module_file(root, module)
+    except StaticSourceError:
+        return True
+    return False
 
 
 def _module_file(root: str, module: str) -> str:
@@ -700,6 +740,18 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
     untested = value.get("untested") or {}
     if not isinstance(untested, dict):
         raise CompatMatrixError(f"{where}: 'untested' must map version ranges to reasons")
+    retired = value.get("retired") or {}
+    if not isinstance(retired, dict) or not all(isinstance(r, str) and r.strip() for r in retired.values()):
+        raise CompatMatrixError(f"{where}: 'retired' must map version ranges to reasons")
+    up = upstreams[upstream]
+    for spec in retired:
+        try:
+            specifier = SpecifierSet(str(spec))
+        except InvalidSpecifier as exc:
+            raise CompatMatrixError(f"{where}: retired range {spec!r} is not a PEP 440 specifier set") from exc
+        for v in (*up.tested, *up.source_verified):
+            if version_in(v, specifier) and version_in(v, versions):
+                raise CompatMatrixError(f"{where}: {upstream} {v} is both in versions {versions} and retired ({spec})")
     return MatrixPatch(
         name=name,
         upstream=upstream,
@@ -712,4 +764,5 @@ def _parse_patch(name: str, value: Any, upstreams: Mapping[str, Upstream]) -> Ma
         fix=_str(value, "fix", where),
         remove_when=_str(value, "remove_when", where),
         relies_on=tuple(relies_on),
+        retired={str(k): " ".join(str(v).split()) for k, v in retired.items()},
     )

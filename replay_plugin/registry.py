@@ -64,6 +64,7 @@ def spec_from_matrix(name: str, patch: Patch, matrix: compat.Matrix | None = Non
         knobs=patch.knobs,
         fingerprints=entry.fingerprints,
         untested=entry.untested,
+        retired=entry.retired,
     )
 
 
@@ -109,6 +110,15 @@ def _replaced_targets(targets: Iterable[str]) -> list[str]:
             name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "?")
             out.append(f"{qualname} is now {defined_in}.{name} (replaced by another library)")
     return out
+
+
+def _retired(spec: PatchSpec, version: str | None) -> str | None:
+    """Why the patch is not needed at ``version`` (outside its range, inside a ``retired`` range
+    of the matrix: the upstream no longer has the code it fixes), or None."""
+    if version is None or compat.version_in(version, spec.versions):
+        return None
+    reason = compat.retired_reason(spec.retired, version)
+    return None if reason is None else f"{spec.upstream} {version}: {reason}"
 
 
 class _Refused(Exception):
@@ -278,6 +288,9 @@ class Registry:
         version = self._installed_version(spec)
         if version is None:
             return False, f"{spec.upstream} is not installed here"
+        retired = _retired(spec, version)
+        if retired is not None:
+            return True, f"not-needed: {retired}"
         try:
             self._check_version(spec, cfg, version)
         except _Refused as refused:
@@ -318,6 +331,9 @@ class Registry:
                 )
 
     def _apply(self, spec: PatchSpec, cfg: settings.Settings, version: str | None) -> PatchStatus:
+        retired = _retired(spec, version)
+        if retired is not None:
+            return states.record(self._status(spec, "not-needed", retired, version))
         notes = [self._check_version(spec, cfg, version)]
         if spec.fingerprints:
             notes.append(self._check_sources(spec, cfg, version))

@@ -112,6 +112,9 @@ class PatchSpec:
     knobs: tuple[Knob, ...] = ()
     fingerprints: dict[str, dict[str, str]] = field(default_factory=dict)
     untested: dict[str, str] = field(default_factory=dict)
+    #: version ranges outside ``versions`` where the upstream no longer has what the patch fixes
+    #: (compat_matrix.yaml ``retired``): the patch is ``not-needed`` there, with the reason
+    retired: dict[str, str] = field(default_factory=dict)
     pack: str = ""
 
     def __post_init__(self) -> None:

@@ -94,8 +94,9 @@ def patches_table(matrix: compat.Matrix) -> str:
         why = " ".join(p.why.split())
         first = why.split(". ")[0].rstrip(".") + "."
         printed = ", ".join(p.fingerprints) or "-"
+        versions = f"`{compat.format_spec(p.versions)}`" + "".join(f" (retired `{r}`)" for r in p.retired)
         rows.append(
-            f"| `{p.name}` | {p.upstream} | `{compat.format_spec(p.versions)}` | {'on' if p.default else 'off'} | "
+            f"| `{p.name}` | {p.upstream} | {versions} | {'on' if p.default else 'off'} | "
             f"`{toggle_name(p.name)}` | {printed} | {first} |"
         )
     return "\n".join(rows)
@@ -357,8 +358,10 @@ def _tested_base(up: compat.Upstream, version: str) -> str:
 
 def record_release_fingerprints(upstream: str, wheel_dir: str) -> int:
     """Fingerprints of every tested and source-verified release of ``upstream`` from their wheels,
-    then what differs between each source-verified release and the newest tested one below it."""
-    matrix = compat.load(MATRIX)
+    then what differs between each source-verified release and the newest tested one below it.
+    The matrix is read as for recording (a patch's records that lack a name added since are
+    re-recorded), so adding relied-on names and this one command go together."""
+    matrix = _load_for_recording()
     if upstream not in matrix.upstreams:
         raise SystemExit(f"unknown upstream {upstream!r}; the matrix has {', '.join(matrix.upstreams)}")
     up = matrix.upstreams[upstream]

@@ -21,8 +21,8 @@ kernels on CPU tensors, slowly. Three things stand in the way, fixed here before
 Loaded in every process of an engine (the test process, engine core, workers, ``vllm serve``) by
 the ``replay_test_shims.pth`` that ``scripts/envs.py`` writes into a venv whose test environment
 lists this file in ``shims`` (envs/envs.toml; it runs the files named in ``REPLAY_TEST_SHIMS``);
-it installs itself when ``REPLAY_TEST_MRV2=1``. ``VLLM_USE_V2_MODEL_RUNNER=1`` selects MRV2 on 0.30-0.33 (0.34 has no other
-runner). Standard library and triton only; idempotent.
+it installs itself when ``REPLAY_TEST_MRV2=1``. ``VLLM_USE_V2_MODEL_RUNNER=1`` selects MRV2 on
+0.30-0.33 (0.34 has no other runner). Standard library and triton only; idempotent.
 """
 
 from __future__ import annotations

@@ -364,6 +364,10 @@ else:
         # a standard-library base (abc.ABC) is read from this interpreter's library: absent, as
         # imported (vLLM's OpenAIServingChat derives from one; was StaticSourceError)
         "pkg.impl:Abstract.gone",
+        # a module (or package) a version removed: its names are absent both ways (vLLM 0.34's
+        # vllm.v1.sample.sampler); a missing top-level package is not (nothing installed)
+        "pkg.removed:Gone",
+        "pkg.removed.sub:Class.gone",
     ],
 )
 def test_static_fingerprint_equals_the_imported_one(tmp_path, monkeypatch, name):
@@ -408,6 +412,10 @@ def test_static_fingerprint_refuses_what_it_cannot_locate(tmp_path):
         compat.static_fingerprint(str(tmp_path), "pkg.star:anything", absent_ok=True)
     with pytest.raises(compat.StaticSourceError, match="no source file for module pkg.nope"):
         compat.static_fingerprint(str(tmp_path), "pkg.nope:f")
+    with pytest.raises(compat.StaticSourceError, match="no source file for module nopkg.mod"):
+        compat.static_fingerprint(str(tmp_path), "nopkg.mod:f", absent_ok=True)  # not installed at all
+    with pytest.raises(ModuleNotFoundError):
+        compat.resolve_fingerprint("replay_tests_no_such_package.mod:f")
 
 
 def test_a_target_whose_module_lacks_a_dependency_is_read_from_source(tmp_path, monkeypatch):

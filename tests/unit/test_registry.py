@@ -155,6 +155,40 @@ def test_would_apply_answers_what_apply_would_record_and_records_nothing(target_
     assert states.get("a.ranged") is None
 
 
+def test_a_retired_version_is_not_needed_and_nothing_is_wrapped(target_module, monkeypatch, caplog):
+    """``retired`` (compat_matrix.yaml): an upstream version outside the patch's range on purpose
+    (vLLM 0.34 removed the code vllm.sampler_rows fixes). There the patch is ``not-needed`` with
+    the matrix's reason, installs nothing and logs no failure; ``would_apply`` says it serves.
+    A version outside both stays ``skipped-version``, and ALLOW_UNSUPPORTED does not apply a
+    retired patch (its targets are gone)."""
+    installs = []
+    reg = fresh_registry()
+    retired = dataclasses.replace(
+        spec("a.retired", install=lambda p: installs.append(p)),
+        versions=SpecifierSet(">=0.30,<0.34"),
+        retired={">=0.34": "the upstream removed the code"},
+    )
+    reg.register(retired)
+    installed = {"version": "0.34.0+cpu"}
+    monkeypatch.setattr(registry.Registry, "_installed_version", staticmethod(lambda s: installed["version"]))
+    reason = "test-upstream 0.34.0+cpu: the upstream removed the code"
+    assert reg.would_apply("a.retired", settings.load({})) == (True, f"not-needed: {reason}")
+    caplog.clear()
+    st = reg.apply("a.retired", settings.load({"REPLAY_PLUGIN_ALLOW_UNSUPPORTED": "1"}))
+    assert (st.state, st.reason) == ("not-needed", reason) and installs == []
+    assert not [r for r in caplog.records if "not applied" in r.getMessage()]
+    states._reset_for_tests()
+    reg = fresh_registry()
+    reg.register(retired)
+    installed["version"] = "0.29.0"
+    assert reg.apply("a.retired", settings.load({})).state == "skipped-version"
+    states._reset_for_tests()
+    reg = fresh_registry()
+    reg.register(retired)
+    installed["version"] = "0.33.0"
+    assert reg.apply("a.retired", settings.load({})).state == "applied" and len(installs) == 1
+
+
 def test_failing_install_is_recorded_and_rolled_back(target_module):
     def install(p):
         p.wrap(f"{MOD}:function", add_one)

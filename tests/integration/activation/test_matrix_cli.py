@@ -179,6 +179,24 @@ def test_matrix_check_fails_on_an_out_of_range_version(tmp_path):
     assert f"FAIL {PATCH}: megatron-core {v} is outside the supported range" in proc.stdout
 
 
+def test_matrix_check_passes_on_a_retired_version(tmp_path):
+    """A version outside the patch's range on purpose (``retired``: the upstream no longer has
+    what it fixes, as vLLM 0.34 for vllm.sampler_rows) is no problem: ``not-needed``, the reason
+    shown; outside both it still fails (above)."""
+    need("megatron-core")
+    raw = shipped_matrix()
+    v = installed("megatron-core")
+    entry = raw["patches"][PATCH]
+    entry["versions"] = f"!={v}"
+    entry["retired"] = {f"=={v}": "the code it fixes was removed (test)"}
+    entry["fingerprints"] = {k: p for k, p in (entry.get("fingerprints") or {}).items() if k != v}
+    env = {"REPLAY_PLUGIN_MATRIX": write(tmp_path, raw)}
+    proc = cli("matrix", "--check", "--json", "--upstream", "megatron-core", env=env)
+    assert proc.returncode == 0, proc.stdout
+    row = next(r for r in json.loads(proc.stdout)["patches"] if r["patch"] == PATCH)
+    assert row["state"] == "not-needed" and row["detail"] == "retired: the code it fixes was removed (test)", row
+
+
 def test_matrix_check_fails_on_a_changed_fingerprint(tmp_path):
     need("megatron-core")
     raw = shipped_matrix()
