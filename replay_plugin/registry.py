@@ -233,7 +233,7 @@ class Registry:
         with self.lock:
             armed = []
             for spec in self.specs.values():
-                early = self.initial_state(spec, cfg)
+                early = self.initial_state(spec, cfg) or self.retired_state(spec)
                 states.record(early or self.waiting(spec))
                 if early is None:
                     armed.append(spec)
@@ -248,6 +248,16 @@ class Registry:
     def waiting(self, spec: PatchSpec) -> PatchStatus:
         return self._status(spec, "not-imported", f"waiting for import of {spec.trigger}")
 
+    def retired_state(self, spec: PatchSpec) -> PatchStatus | None:
+        """``not-needed`` when the installed upstream lies in one of the spec's ``retired``
+        ranges (its trigger module may not even exist there: vLLM 0.34 has no
+        ``vllm.v1.sample.sampler``); the version is looked up only for specs that retire some."""
+        if not spec.retired:
+            return None
+        version = self._installed_version(spec)
+        reason = _retired(spec, version)
+        return None if reason is None else self._status(spec, "not-needed", reason, version)
+
     def status_rows(self, cfg: settings.Settings | None = None) -> list[dict]:
         """One row per registered patch: ``name``, ``upstream``, ``version``, ``state``, ``reason``,
         ``targets``. Loads the packs' specs if nothing did yet (applies nothing, records nothing).
@@ -261,7 +271,7 @@ class Registry:
             if st is None and cfg.disable:
                 st = self._status(spec, "disabled", "REPLAY_PLUGIN_DISABLE is set: nothing is activated")
             if st is None:
-                st = self.initial_state(spec, cfg) or self.waiting(spec)
+                st = self.initial_state(spec, cfg) or self.retired_state(spec) or self.waiting(spec)
             row = st.as_dict()
             patcher = self.patchers.get(spec.name)
             if row["state"] == "applied" and patcher is not None:

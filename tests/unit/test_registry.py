@@ -173,6 +173,12 @@ def test_a_retired_version_is_not_needed_and_nothing_is_wrapped(target_module, m
     monkeypatch.setattr(registry.Registry, "_installed_version", staticmethod(lambda s: installed["version"]))
     reason = "test-upstream 0.34.0+cpu: the upstream removed the code"
     assert reg.would_apply("a.retired", settings.load({})) == (True, f"not-needed: {reason}")
+    # known before the trigger is imported (it may not exist): recorded at arm time, not armed
+    assert reg.arm(settings.load({})) == [] and states.get("a.retired").state == "not-needed"
+    states._reset_for_tests()
+    rows = {row["name"]: row for row in reg.status_rows(settings.load({}))}
+    assert (rows["a.retired"]["state"], rows["a.retired"]["reason"]) == ("not-needed", reason)
+    states._reset_for_tests()
     caplog.clear()
     st = reg.apply("a.retired", settings.load({"REPLAY_PLUGIN_ALLOW_UNSUPPORTED": "1"}))
     assert (st.state, st.reason) == ("not-needed", reason) and installs == []
