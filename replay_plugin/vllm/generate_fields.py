@@ -1,7 +1,7 @@
 """Patch ``vllm.generate_fields``: ``/inference/v1/generate`` (token in, token out) returns the
 sampler support of opted-in requests, in vLLM's own ``sampling_mask`` field.
 
-Gap (vLLM 0.30-0.32): the endpoint RL frameworks use has a ``sampling_mask`` field (per
+Gap (vLLM 0.30-0.34): the endpoint RL frameworks use has a ``sampling_mask`` field (per
 generated token, the list of token ids the sampler could draw) but fills it only on Model Runner
 V2 (GPU) with ``--return-sampling-mask``; on the V1 runner and on CPU it is null, and a
 ``sampling_params.extra_args.replay_sample_support`` request got nothing (streamed or not; 0.30
@@ -11,6 +11,20 @@ for Model Runner V2 work unchanged, plus the plugin's ``sample_support`` envelop
 (``exact`` says which mask rows are the whole support, ``sampled_logprob`` the rollout logprob)
 and ``routed_experts`` as a compact wire envelope (instead of vLLM's base64 ``.npy``), as on the
 OpenAI endpoints. Remove when the native mask works on every runner the supported versions use.
+
+vLLM 0.33 added ``output_mode: "derender"`` (the choices as chat messages, parsed by the server's
+reasoning and tool parsers) and 0.34 streams it. When a parser hides the reasoning
+(``parse_context.include_reasoning: false``), vLLM withholds ``token_ids``, ``logprobs`` and
+``sampling_mask`` of every choice (each chunk, streamed: ``ChatStreamProcessor.hide_metadata``),
+because they would reveal the hidden tokens; replay data would reveal them just the same (its
+rows name every sampled token), and without it the trainer cannot replay the sample. So such an
+opted-in request is refused before compute (HTTP 400 naming ``include_reasoning``) instead of
+filling the mask vLLM withheld (what the patch would have done: it fills ``sampling_mask`` where
+vLLM left it empty). A derender request whose reasoning is shown gets its fields as the other
+modes do, streamed or not. The rest of both generators changed around what the patch reads
+(0.33: response fields built by a helper, the derender choices; 0.34: the logprob settings
+helper, one chunk class per output mode, an error closes the result generator): each choice and
+chunk is still built from the engine outputs the patch taps, with the choice ``index``.
 
 Streamed with ``n > 1``: vLLM 0.30 (and 0.31) sizes its per-choice token counts by the first
 engine output's choices and fails mid-stream (an error event, then ``[DONE]``) once a later
@@ -71,12 +85,37 @@ def _choice_fields(output: Any, choice: Any, routes_wanted: bool) -> dict:
     return fields
 
 
+def _refuse_hidden_reasoning(request: Any, hidden: bool) -> None:
+    """Refuse a derender request whose reasoning vLLM hides (module docstring)."""
+    if hidden:
+        raise refusal(
+            "replay_plugin: the request asks for replay data on /inference/v1/generate with "
+            "output_mode 'derender' while the server's reasoning parser hides the reasoning "
+            "(parse_context include_reasoning false): vLLM then withholds the choices' token ids, "
+            "logprobs and sampling masks, and replay rows would reveal the hidden tokens just the "
+            "same; send include_reasoning true, or output_mode 'tokens' or 'text'",
+            "include_reasoning",
+            False,
+        )
+
+
+def _optional_arg(args: tuple, kwargs: dict, name: str, position: int) -> Any:
+    """An argument with a default (None) that the caller may not pass."""
+    return kwargs.get(name) if name in kwargs or len(args) <= position else args[position]
+
+
 async def _full(wrapped, instance, args, kwargs):
-    """``serve_tokens_full_generator``: the last engine output of each choice decorates it."""
+    """``serve_tokens_full_generator``: the last engine output of each choice decorates it.
+    Runs before the result generator starts (no compute yet): a derender request whose
+    reasoning is hidden is refused here (0.33+: ``derender_request`` is the parsed chat request,
+    ``include_reasoning`` as vLLM reads it)."""
     request = get_arg(args, kwargs, "request", 0)
     wanted, routes_wanted = _wants(request)
     if not wanted:
         return await wrapped(*args, **kwargs)
+    if getattr(request, "output_mode", None) == "derender":
+        chat = _optional_arg(args, kwargs, "derender_request", 5)
+        _refuse_hidden_reasoning(request, chat is not None and not getattr(chat, "include_reasoning", True))
     last: list[Any] = []
 
     async def tap(results):
@@ -146,6 +185,8 @@ def _stream(wrapped, instance, args, kwargs):
     if not wanted:
         return wrapped(*args, **kwargs)
     _refuse_many_choices(request, wrapped)
+    processors = _optional_arg(args, kwargs, "processors", 5)  # 0.34: streamed derender
+    _refuse_hidden_reasoning(request, any(getattr(p, "hide_metadata", False) for p in processors or ()))
     replay = StreamReplay(lambda res: [(o.index, o) for o in res.outputs], routes_wanted, mask=True)
     results = get_arg(args, kwargs, "result_generator", 1)
     args, kwargs = replace_arg(args, kwargs, "result_generator", 1, replay.tap(results))

@@ -10,6 +10,15 @@ choice's previous chunk (``served_stream``) and the routes come with the choice'
 Other responses are left alone. Read them with :func:`replay_plugin.vllm.client.decode_choice`
 (one choice) or :func:`~replay_plugin.vllm.client.decode_stream` (chunks). Remove when vLLM
 serves both in a binary array format.
+
+vLLM 0.33/0.34 (compared with 0.32, run on both): chat's stream generator is a shell that
+serializes the chunks of the new ``chat_completion_stream_generator_raw`` (relied on: the same
+chunks per choice, the role chunk first, ``[DONE]`` last, errors as ``{"error": ...}`` events); a
+finishing output without text gets a chunk in both stream generators, which also carry
+``weight_versions`` and ``kv_transfer_params``; the full responses build the same choices (a
+``weight_versions`` field; chat assembles tool calls in helpers). 0.34's completion stream renders
+plain delta chunks (no logprobs, echo or token ids) from a template of the JSON bytes the model
+would serialize: still one ``data: {...}`` event per chunk, read and rewritten as before.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Patch ``vllm.request_guard``: a request that asks for replay data and cannot get it is refused
 before compute, with the reason and the fix.
 
-Gap (vLLM 0.30-0.32, and every version the capture patches do not support): vLLM ignores
+Gap (vLLM 0.30-0.34, and every version the capture patches do not support): vLLM ignores
 ``extra_args`` keys it does not know, so a request that sets ``replay_sample_support`` is served
 without replay data whenever the capture patches are not in place (vLLM outside their range,
 toggled off, failed to apply, reverted, or replaced by another library since), and the plugin's
@@ -14,6 +14,10 @@ explicitly; the OpenAI serving patches when the OpenAI server is loaded; ``/infe
 refuses by itself without ``vllm.generate_fields``), and a request that asks for
 routes explicitly from an engine started without ``enable_return_routed_experts`` (vLLM returns
 ``routed_experts=None`` then, silently). Remove with the last capture patch.
+
+vLLM 0.34's ``InputProcessor.process_inputs`` (0.33's is 0.32's) checks ``prompt_logprob_start``
+against the prompt length; its ``params`` argument, which the guard reads before vLLM runs, is
+unchanged.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ _SERVING = ("applied", "not-needed")
 #: Patches a served request needs when their trigger module is loaded in this process. Not
 #: ``vllm.generate_fields``: only ``/inference/v1/generate`` needs it, and that endpoint refuses by
 #: itself when it is not serving (``vllm.served_endpoints``); here its absence would refuse the
-#: completions and chats of every ``vllm serve`` whose vLLM it does not cover (0.33, 0.34).
+#: completions and chats of every ``vllm serve`` whose vLLM it does not cover.
 _SERVED = {
     "vllm.openai_fields": "vllm.entrypoints.openai.completion.serving",
     "vllm.served_endpoints": "vllm.entrypoints.openai.chat_completion.serving",

@@ -7,6 +7,13 @@ converts them with ``core.routes.compact`` (validated; the dtype the trainer sid
 carries them through the merge; other requests (also one that opts out of
 ``REQUESTS=all`` with ``"replay_sample_support": false``) stay stock, merges included. Remove when the oldest supported
 vLLM keeps routes through delta merges and trainers accept vLLM's uint16.
+
+vLLM 0.31+ returns routes only through the AuxOutput connector, which needs Model Runner V2 (the
+only runner of 0.34); 0.33 and 0.34 are run here on it. Every target and relied-on name of 0.33
+and 0.34 is 0.32's except ``make_request_output`` (pooling outputs handled first),
+``process_outputs`` (engine-core errors, streaming-input boundaries) and ``AsyncLLM.generate``
+(a ``GenerationError`` also aborts an ``n > 1`` request's siblings); the routes still reach
+``RequestState.make_request_output`` as a uint8 array up to 256 experts, uint16 above.
 """
 
 from __future__ import annotations

@@ -14,6 +14,13 @@ sampled-token-then-token-0 rows of stock vLLM (test_offline.py shows both). Appl
 engines running ``processed_logprobs`` (the engines capture needs): elsewhere vLLM is left as
 is. Model Runner V2 (``v1/worker/gpu/sample``) is not patched. Remove when vLLM keeps
 per-request rows.
+
+vLLM 0.33 keeps the V1 sampler (its ``Sampler.forward`` gained a ROCm fused path taken only without
+logprobs; ``gather_specific_token_logprobs`` is 0.32's) and runs it wherever Triton is missing
+(tested there, envs/vllm033v1). 0.34 removed it: the patch is retired there (``not-needed``,
+compat_matrix.yaml). Model Runner V2 builds each request's row from that request's own
+``logprob_token_ids`` or the step's top-N (``compute_topk_scores``): run on 0.34, a listing
+request leaves the other requests' rows exactly as they are when served alone.
 """
 
 from __future__ import annotations

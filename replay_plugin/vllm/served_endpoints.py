@@ -12,12 +12,19 @@ are refused (HTTP 400 naming the endpoint and what to use instead), also when
 ``"replay_sample_support": false`` to opt one out). Remove when these endpoints return replay
 data (or vLLM refuses unknown ``vllm_xargs``).
 
-``/inference/v1/generate`` returns replay data through ``vllm.generate_fields``, whose range
-stops before vLLM 0.33 (0.33 added the ``derender`` output mode, not yet compared; see
-compat_matrix.yaml). Where that patch is not serving (that vLLM, toggled off, failed, reverted,
-replaced), an opted-in request to the endpoint is refused naming the patch, its state and the fix;
-completions and chats keep their replay data (before, ``vllm.request_guard`` refused every served
-replay request of a server whose generate endpoint was loaded).
+``/inference/v1/generate`` returns replay data through ``vllm.generate_fields``. Where that patch
+is not serving (a vLLM outside its range, toggled off, failed, reverted, replaced), an opted-in
+request to the endpoint is refused naming the patch, its state and the fix; completions and chats
+keep their replay data (before, ``vllm.request_guard`` refused every served replay request of a
+server whose generate endpoint was loaded). Until this port ``vllm.generate_fields`` stopped before
+0.33 and this refusal was what 0.33/0.34 served; it covers them now (its derender case refuses
+by itself).
+
+vLLM 0.33/0.34 (compared with 0.32, run on both): ``serve_tokens`` builds the derender chat request
+(0.34: and its stream processors) before the engine sees the request and still takes the request
+model first; ``ResponsesRequest.to_sampling_params`` takes the skip_special_tokens defaults (0.33)
+and passes ``thinking_token_budget`` (0.34), after this wrapper's refusal; the Anthropic and Cohere
+endpoints still enter through ``create_chat_completion``; the speech-to-text methods are unchanged.
 
 The same wrappers see the client's ``temperature`` on completions and chats before vLLM builds
 its ``SamplingParams``, which raises any value in ``(0, 0.01)`` to 0.01 silently (0.30-0.32): a

@@ -99,6 +99,22 @@ def test_shipped_matrix_validates():
             lambda r: r["upstreams"]["vllm"].update(source_verified={"0.31.0": ""}),
             "'source_verified' must map versions to the evidence",
         ),
+        (
+            lambda r: r["patches"]["vllm.sampler_rows"].update(retired=[">=0.34"]),
+            "'retired' must map version ranges to reasons",
+        ),
+        (
+            lambda r: r["patches"]["vllm.sampler_rows"].update(retired={">=0.34": " "}),
+            "'retired' must map version ranges to reasons",
+        ),
+        (
+            lambda r: r["patches"]["vllm.sampler_rows"].update(retired={"0.34": "gone"}),
+            "retired range '0.34' is not a PEP 440 specifier set",
+        ),
+        (
+            lambda r: r["patches"]["vllm.sampler_rows"].update(retired={">=0.33": "gone"}),
+            "vllm 0.33.0 is both in versions <0.34,>=0.30.0 and retired \\(>=0.33\\)",
+        ),
     ],
 )
 def test_schema_errors_name_the_entry(mutate, message):
@@ -257,6 +273,16 @@ def test_relied_on_code_a_version_does_not_define():
 
 def _relied_function():
     return 2
+
+
+def test_retired_ranges():
+    """``retired``: versions outside a patch's range on purpose, with the reason (local labels
+    ignored, as for ``versions``)."""
+    m = compat.parse(_raw())
+    retired = m.patches["vllm.sampler_rows"].retired
+    assert compat.retired_reason(retired, "0.34.0+cpu") and compat.retired_reason(retired, "0.35.1")
+    assert compat.retired_reason(retired, "0.33.0") is None and compat.retired_reason(retired, None) is None
+    assert m.patches["vllm.sample_support"].retired == {}
 
 
 def test_version_tier():

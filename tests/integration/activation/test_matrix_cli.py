@@ -58,16 +58,20 @@ def test_matrix_check_passes_on_the_tested_environment(report):
     assert report["ok"] and report["problems"] == []
     checked = [p for p in report["patches"] if p["upstream"] in _env_upstreams() and p["state"] != "not-installed"]
     # every patch of an upstream this environment tests has fingerprints (targets and relied-on
-    # code) that match, on a version CI tests
-    assert checked and all(p["state"] == "match" and p["tier"] == "tested" for p in checked), checked
+    # code) that match, on a version CI tests, or is retired there (the matrix's reason: vLLM
+    # 0.34 removed the V1 sampler that vllm.sampler_rows and vllm.cpu_logprob_ranks fix)
+    matched = [p for p in checked if p["state"] == "match"]
+    retired = [p for p in checked if p["state"] == "not-needed" and p["detail"].startswith("retired: ")]
+    assert matched and len(matched) + len(retired) == len(checked), checked
+    assert all(p["tier"] == "tested" for p in checked), checked
     tiers = {u["upstream"]: u["tier"] for u in report["upstreams"]}
     assert all(tiers[u] == "tested" for u in _env_upstreams()), tiers
 
 
 def test_text_output_names_the_tested_and_source_verified_releases():
     """The text table shows, per upstream, the releases CI runs and those only read from their
-    sources (vLLM 0.33/0.34 among them: decided from their sources, issue 26), from the shipped
-    matrix; a version installed or not."""
+    sources (transformers 5.24.0), from the shipped matrix; a version installed or not (vLLM
+    0.33/0.34, read from their sources in issue 26, are tested since issue 42)."""
     proc = cli("matrix")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -93,7 +97,7 @@ def test_static_fingerprints_equal_the_imported_ones(report):
     roots = site.getsitepackages()
     compared = 0
     for row in report["patches"]:
-        if row["upstream"] not in _env_upstreams() or row["state"] == "not-installed":
+        if row["upstream"] not in _env_upstreams() or row["state"] in ("not-installed", "not-needed"):
             continue
         for name, imported in row["fingerprints"].items():
             (root,) = [r for r in roots if os.path.exists(os.path.join(r, name.partition(".")[0]))]

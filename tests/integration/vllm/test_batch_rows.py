@@ -483,3 +483,44 @@ def test_a_request_id_used_again_before_the_next_fold_gets_its_own_rows():
         for name in ("ids", "sampled", "sampled_logprob", "exact"):
             np.testing.assert_array_equal(getattr(x, name), getattr(y, name), err_msg=f"{rid} {name}")
     assert len(log) == 0 and not log.captures
+
+
+def test_the_scheduler_step_is_gathered_from_vllms_own_runner_output():
+    """``Scheduler.update_from_output`` (the patch's target) on vLLM's own ``ModelRunnerOutput`` of
+    this version: when every request asking for rows is planned, vLLM gets the step without its
+    rows and each output's rows are gathered by request id. vLLM 0.30-0.33 map ids to rows with
+    ``req_id_to_index``; 0.34 dropped it (its scheduler enumerates ``req_ids``, the batch order),
+    and so does the patch there: before, it fell back to vLLM's per-request slices on 0.34."""
+    import dataclasses
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from replay_plugin.vllm.batch_rows import MAGIC_RUN, _pack, _row_index
+
+    steps, requests = _step()
+    batch = type(steps[0].new_logprobs)(
+        *(np.concatenate([o.new_logprobs[f] for o in steps if o.new_logprobs is not None]) for f in range(3))
+    )
+    order = ["r3", "r0", "r2"]  # the runner's batch order (not the scheduler's)
+    fields = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+    kwargs = {"req_ids": order, "sampled_token_ids": [[1]] * 3, "logprobs": batch}
+    if "req_id_to_index" in fields:  # vLLM 0.30-0.33
+        kwargs["req_id_to_index"] = {r: i for i, r in enumerate(order)}
+    runner_output = ModelRunnerOutput(**kwargs)
+    assert _row_index(runner_output) == {"r3": 0, "r0": 1, "r2": 2}
+    planned = {r: requests[r] for r in order}
+    scheduled = types.SimpleNamespace(num_scheduled_tokens=dict.fromkeys(order, 1))
+    seen = []
+
+    def update_from_output(scheduler_output, model_runner_output):
+        seen.append(model_runner_output.logprobs)  # what vLLM would slice per request
+        outs = [EngineCoreOutput(request_id=r, new_token_ids=[7], new_logprobs=None) for r in order]
+        return {0: EngineCoreOutputs(engine_index=0, outputs=outs)}
+
+    scheduler = types.SimpleNamespace(requests=planned)
+    result = _pack(update_from_output, scheduler, (scheduled, runner_output), {})
+    assert seen == [None] and runner_output.logprobs is batch  # vLLM sliced nothing; restored after
+    carrier = result[0].outputs[0].new_logprobs
+    assert carrier.cu_num_generated_tokens == [MAGIC_RUN, 3]
+    assert np.array_equal(carrier.logprob_token_ids, batch.logprob_token_ids[:3])

@@ -247,15 +247,20 @@ def test_patch_modules_wrap_only_their_declared_targets():
     import importlib
 
     import replay_plugin
-    from replay_plugin import registry
+    from replay_plugin import compat, registry
     from replay_plugin.vllm.patches import replay_plugin_patches
 
     specs = {s.name: s for s in registry.pack_specs(replay_plugin_patches())}
     assert specs["vllm.sample_support"].trigger == "vllm.engine.arg_utils"  # before any engine config
-    for spec in specs.values():
-        importlib.import_module(spec.trigger)
+    version = compat.installed_version(compat.load().upstreams["vllm"])[1]
+    # a patch this vLLM retires (0.34: the V1 sampler's) is not-needed; its trigger may not exist
+    retired = {name for name, spec in specs.items() if compat.retired_reason(spec.retired, version)}
+    for name, spec in specs.items():
+        if name not in retired:
+            importlib.import_module(spec.trigger)
     rows = {r["name"]: r for r in replay_plugin.status()}
-    assert {name: rows[name]["state"] for name in specs} == dict.fromkeys(specs, "applied")
+    expected = {name: "not-needed" if name in retired else "applied" for name in specs}
+    assert {name: rows[name]["state"] for name in specs} == expected
 
 
 def test_knobs_are_declared_on_the_specs():

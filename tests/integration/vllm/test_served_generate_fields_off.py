@@ -1,10 +1,11 @@
 """``vllm serve`` whose ``/inference/v1/generate`` cannot return replay data
-(``vllm.generate_fields`` not serving: vLLM 0.33 and 0.34, where its range stops, or toggled off
-as here) keeps replay data on completions and chats and refuses it on that endpoint alone.
+(``vllm.generate_fields`` not serving: a vLLM outside its range, or toggled off as here) keeps
+replay data on completions and chats and refuses it on that endpoint alone.
 
 Before, ``vllm.request_guard`` counted ``vllm.generate_fields`` among the patches every served
 request needs once the generate module is loaded, so such a server refused every opted-in
-request (HTTP 400 on ``/v1/completions`` too): no served replay at all on vLLM 0.33/0.34.
+request (HTTP 400 on ``/v1/completions`` too): no served replay at all on vLLM 0.33/0.34 while
+that patch stopped before 0.33.
 """
 
 from __future__ import annotations
