@@ -19,6 +19,15 @@ finishing output without text gets a chunk in both stream generators, which also
 ``weight_versions`` field; chat assembles tool calls in helpers). 0.34's completion stream renders
 plain delta chunks (no logprobs, echo or token ids) from a template of the JSON bytes the model
 would serialize: still one ``data: {...}`` event per chunk, read and rewritten as before.
+
+Hidden reasoning (vLLM 0.30-0.34, ``chat_completion/serving.py``): a server with a reasoning or
+tool parser (``OpenAIServingChat.parser_cls``) withholds a chat choice's ``logprobs`` and
+``token_ids`` when the request sets ``include_reasoning: false`` (``suppress_metadata`` in the full
+response, ``hide_stream_metadata`` / the stream processor's ``hide_metadata`` in streams): they
+would reveal the hidden reasoning tokens. A support row names its token's sampled id, so it would
+reveal them just the same: such a request asking for the support is refused before compute (HTTP
+400 naming ``include_reasoning``), as ``vllm.generate_fields`` refuses 0.33's derender mode. Routes
+alone are not refused: vLLM serves a chat choice's ``routed_experts`` with the reasoning hidden too.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from ..core.routes import compact
 from ..core.wire import encode_array
 from ..patcher import Patcher
 from . import options
+from .refusal import refusal
 from .sample_support_capture import sample_support
 from .served_stream import StreamReplay, encode_support, get_arg, replace_arg
 
@@ -55,6 +65,26 @@ def _request_wants_replay(request: Any) -> bool:
         return options.wants_support(xargs) or options.wants_routes(xargs)
     except options.OptionError:
         return False  # refused by the admission before any output exists
+
+
+def _refuse_hidden_reasoning(serving: Any, request: Any) -> None:
+    """Refuse a chat request asking for the support whose reasoning vLLM hides (module docstring).
+    Runs before the result generator is iterated: the engine has not seen the request."""
+    if getattr(request, "include_reasoning", True) or getattr(serving, "parser_cls", None) is None:
+        return
+    try:
+        wanted = options.wants_support(getattr(request, "vllm_xargs", None))
+    except options.OptionError:
+        return  # refused by the admission, naming the key
+    if wanted:
+        raise refusal(
+            "replay_plugin: the chat request asks for the sampler support (replay_sample_support) with "
+            "include_reasoning false on a server with a reasoning or tool parser: vLLM then withholds the "
+            "choices' token ids and logprobs, and support rows would reveal the hidden tokens just the same; "
+            "send include_reasoning true (and drop the reasoning client-side), or do not ask for the support",
+            "include_reasoning",
+            False,
+        )
 
 
 def _fields(output: Any, routes_wanted: bool) -> dict:
@@ -122,6 +152,7 @@ def _completion_response(wrapped, instance, args, kwargs):
 async def _chat_full(wrapped, instance, args, kwargs):
     args = list(args)
     request = args[0] if args else kwargs["request"]
+    _refuse_hidden_reasoning(instance, request)
     last: list[Any] = []
 
     async def tap(results):
@@ -170,6 +201,7 @@ def _chat_stream(wrapped, instance, args, kwargs):
     request = get_arg(args, kwargs, "request", 0)
     if not _request_wants_replay(request):
         return wrapped(*args, **kwargs)
+    _refuse_hidden_reasoning(instance, request)
     replay = StreamReplay(lambda res: [(o.index, o) for o in res.outputs], _request_wants_routes(request), mask=False)
     results = get_arg(args, kwargs, "result_generator", 1)
     args, kwargs = replace_arg(args, kwargs, "result_generator", 1, replay.tap(results))

@@ -1,5 +1,6 @@
-"""``/inference/v1/generate`` with ``output_mode: "derender"`` (vLLM 0.33+; streamed from 0.34):
-the choices come back as chat messages, parsed by the server's reasoning parser.
+"""Hidden reasoning: ``/inference/v1/generate`` with ``output_mode: "derender"`` (vLLM 0.33+;
+streamed from 0.34), whose choices come back as chat messages parsed by the server's reasoning
+parser, and ``/v1/chat/completions`` with ``include_reasoning: false`` (every supported version).
 
 A server with a reasoning parser withholds every choice's ``token_ids``, ``logprobs`` and
 ``sampling_mask`` when the request's ``parse_context`` hides the reasoning
@@ -11,6 +12,10 @@ the reasoning shown, a derender choice carries its replay data like a tokens-mod
 One ``vllm serve`` with vLLM's ``granite`` reasoning parser (it reads text markers, so it works with
 any tokenizer; with a parser, vLLM hides the metadata whenever ``include_reasoning`` is false,
 whatever the parser finds). vLLM 0.33 refuses a streamed derender request by itself.
+
+Chat has the same rule (``vllm.openai_fields``): with ``include_reasoning: false`` on a server with a
+parser, vLLM withholds the choices' ``token_ids`` and ``logprobs``; a request asking for the support
+is refused before compute, naming ``include_reasoning``.
 """
 
 from __future__ import annotations
@@ -44,8 +49,6 @@ def _streams_derender() -> bool:
 @pytest.fixture(scope="module")
 def parser_server(tie_model, tmp_path_factory):
     need("vllm")
-    if not _derender_supported():
-        pytest.skip("output_mode 'derender' exists from vLLM 0.33")
     OfflineEngine.shutdown()
     tmp = tmp_path_factory.mktemp("served-derender")
     yield from serve(tie_model, tmp, extra_args=("--reasoning-parser", "granite"))
@@ -67,7 +70,13 @@ def _body(srv, include_reasoning: bool, extra_args=None) -> dict:
     }
 
 
+def _needs_derender() -> None:
+    if not _derender_supported():
+        pytest.skip("output_mode 'derender' exists from vLLM 0.33")
+
+
 def test_derender_with_the_reasoning_shown_carries_replay_data(parser_server):
+    _needs_derender()
     from replay_plugin.vllm.client import decode_choice, decode_stream
 
     srv = parser_server
@@ -90,6 +99,7 @@ def test_derender_with_the_reasoning_shown_carries_replay_data(parser_server):
 
 
 def test_derender_hiding_the_reasoning_refuses_replay_requests(parser_server):
+    _needs_derender()
     srv = parser_server
     code, stock, _ = srv.post("/inference/v1/generate", _body(srv, False))
     assert code == 200, stock
@@ -103,3 +113,45 @@ def test_derender_hiding_the_reasoning_refuses_replay_requests(parser_server):
         assert "include_reasoning" in text and "would reveal the hidden tokens" in text, text
     code, doc, _ = srv.post("/inference/v1/generate", _body(srv, True, XARGS))  # still serving
     assert code == 200 and doc["choices"][0]["sample_support"], doc
+
+
+def _chat(srv, include_reasoning: bool, xargs=None) -> dict:
+    with urllib.request.urlopen(srv.base + "/v1/models", timeout=60) as resp:
+        model = json.load(resp)["data"][0]["id"]
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "what is two plus two?"}],
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "top_k": 5,
+        "seed": 4,
+        "logprobs": True,
+        "return_token_ids": True,
+        "include_reasoning": include_reasoning,
+    }
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
+    return body
+
+
+def test_chat_hiding_the_reasoning_refuses_support_requests(parser_server):
+    """vLLM withholds a chat choice's token ids and logprobs when the reasoning is hidden; support rows
+    would name the same tokens. Refused before compute (full and streamed); with the reasoning shown
+    the rows come back and name exactly the tokens vLLM then shows."""
+    from replay_plugin.vllm.client import decode_choice
+
+    srv = parser_server
+    code, stock, _ = srv.post("/v1/chat/completions", _chat(srv, False))
+    assert code == 200, stock
+    choice = stock["choices"][0]  # vLLM hides the per-token data of hidden reasoning
+    assert choice.get("token_ids") is None and choice.get("logprobs") is None, choice
+    for send in (srv.post, srv.stream):
+        code, doc, _ = send("/v1/chat/completions", _chat(srv, False, XARGS))
+        text = json.dumps(doc)
+        assert code == 400, (send.__name__, doc)
+        assert "include_reasoning" in text and "would reveal the hidden tokens" in text, text
+    code, doc, _ = srv.post("/v1/chat/completions", _chat(srv, True, XARGS))  # shown: rows as usual
+    assert code == 200, doc
+    choice = doc["choices"][0]
+    rows = decode_choice(choice).support
+    assert rows.sampled.tolist() == choice["token_ids"] and rows.exact.all()
