@@ -177,7 +177,19 @@ class _Capture:
     number there) keeps no rows itself: every row it gets goes to the log, and it reads them
     back from the log when it converts (then the log forgets it)."""
 
-    __slots__ = ("width", "native", "_pending", "_loose", "buffer", "_handed", "checked", "_sampled_lp", "log", "slot")
+    __slots__ = (
+        "width",
+        "native",
+        "_pending",
+        "_loose",
+        "buffer",
+        "_handed",
+        "checked",
+        "_sampled_lp",
+        "log",
+        "slot",
+        "masks_seen",
+    )
 
     def __init__(self, width: int, native: bool) -> None:
         self.width = width
@@ -190,6 +202,7 @@ class _Capture:
         self._sampled_lp: list[np.ndarray] = []
         self.log: Any = None
         self.slot = -1
+        self.masks_seen = 0  # native: the request state's sampling-mask chunks already converted
 
     def add(self, ids: np.ndarray, logprobs: np.ndarray) -> None:
         # Copies: vLLM's arrays are views of the whole batch's step arrays, which a long request
@@ -471,9 +484,8 @@ def _output_rows(capture: _Capture, output: Any, delta: bool) -> SupportRows:
     """One row per token of ``output.token_ids`` (all of them, or the new ones with ``delta``);
     rows that are missing or were captured for another token are empty and inexact. Costs
     ``O(new tokens)`` per output in every output kind: ``CUMULATIVE`` outputs view the rows of
-    one growing buffer and compare only the new rows with their tokens."""
-    if capture.native:
-        return _native_rows(capture, output, delta)
+    one growing buffer and compare only the new rows with their tokens. Native captures fill the
+    same buffer from vLLM's sampling masks (:func:`_take_masks`)."""
     token_ids = output.token_ids
     n = len(token_ids)
     start, stop = capture.span(n, delta)
@@ -495,25 +507,40 @@ def _output_rows(capture: _Capture, output: Any, delta: bool) -> SupportRows:
     return capture.buffer.view(start, start + n)
 
 
-def _native_rows(capture: _Capture, output: Any, delta: bool) -> SupportRows:
-    """Rows from vLLM's own ``sampling_mask`` (Model Runner V2 with ``return_sampling_mask``)."""
-    tokens = np.asarray(list(output.token_ids), dtype=np.int64)
-    mask = getattr(output, "sampling_mask", None)
-    if mask is None:
-        return _missing_rows(tokens, capture.width) if len(tokens) else SupportRows.empty(0, capture.width)
-    rows = rows_from_sampling_mask(mask, tokens, capture.width, capture.sampled_logprobs())
-    if delta or output.finished():  # cumulative outputs repeat earlier rows: count them once
-        _count_rows(rows)
-    misaligned = rows.sampled.astype(np.int64) != tokens
-    if misaligned.any():
-        log.error("replay_plugin: vllm.sample_support: native mask rows do not match the output's tokens")
-        rows = SupportRows(
-            np.where(misaligned[:, None], PAD, rows.ids),
-            tokens.astype(np.int32),
-            np.where(misaligned, np.nan, rows.sampled_logprob),
-            rows.exact & ~misaligned,
+def _take_masks(capture: _Capture, state: Any) -> None:
+    """Native capture: the sampling masks the request's state (vLLM's ``RequestState``) received
+    since the last output, converted into rows of the request's buffer, before vLLM builds the
+    output. Read from the state, not from ``CompletionOutput.sampling_mask``, because vLLM puts a
+    mask on an output only when the request finishes (0.30, 0.31: every output kind; 0.32+:
+    ``CUMULATIVE`` and ``FINAL_ONLY``), so the outputs of a stream before the last, and every
+    ``AsyncLLM`` output before the last in its default ``CUMULATIVE`` kind, carry none (seen on
+    MRV2: their rows were empty and inexact). 0.32+ clears the state's chunks after a ``DELTA``
+    output (``masks_seen`` is reset after the call); 0.30/0.31 keep one chunk per position,
+    0.32+ one per engine step (CSR offsets when a step has several positions)."""
+    chunks = getattr(state, "sampling_mask_chunks", None)
+    if not chunks or len(chunks) <= capture.masks_seen:
+        return
+    tokens = state.detokenizer.output_token_ids
+    lps = capture.sampled_logprobs()
+    for chunk in chunks[capture.masks_seen :]:
+        offsets = getattr(chunk, "offsets", None)
+        start = capture.buffer.size
+        stop = start + (1 if offsets is None else len(offsets) - 1)
+        if stop > len(tokens):  # never expected: _output_rows fills what is missing, inexact
+            log.error(
+                "replay_plugin: vllm.sample_support: sampling masks for %d positions, %d tokens generated",
+                stop,
+                len(tokens),
+            )
+            break
+        rows = support_from_sampling_mask(
+            chunk,
+            np.asarray(tokens[start:stop], dtype=np.int64),
+            capture.width,
+            sampled_logprobs=lps[start:stop] if len(lps) >= stop else None,
         )
-    return rows
+        _count_rows(rows)
+        capture.buffer.append(rows)
 
 
 # --------------------------------------------------------------------------- wrappers
@@ -614,11 +641,21 @@ def take_row(processor: Any, ids: np.ndarray, logprobs: np.ndarray, row: int) ->
 
 def _attach(wrapped, instance, args, kwargs):
     """``RequestState._new_completion_output``: set ``CompletionOutput.sample_support``."""
-    output = wrapped(*args, **kwargs)
     processor = instance.logprobs_processor
     capture = processor.__dict__.get(_CAPTURE_ATTR) if processor is not None else None
     if capture is None:
-        return output
+        return wrapped(*args, **kwargs)
+    if capture.native:
+        try:
+            _take_masks(capture, instance)
+        except Exception:  # the rows it did not convert are filled empty and inexact below
+            log.exception(
+                "replay_plugin: vllm.sample_support: could not read the sampling masks of request %s",
+                getattr(instance, "request_id", "?"),
+            )
+    output = wrapped(*args, **kwargs)
+    if capture.native:
+        capture.masks_seen = len(getattr(instance, "sampling_mask_chunks", None) or ())
     from vllm.sampling_params import RequestOutputKind
 
     try:

