@@ -3,6 +3,7 @@ generated docs pages agree."""
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -144,3 +145,25 @@ def test_patch_ranges_inside_upstream_ranges():
             covered, retired = compat.version_in(v, p.versions), compat.retired_reason(p.retired, v)
             assert covered or retired, f"{p.name} does not cover tested {p.upstream} {v}"
             assert not (covered and retired), f"{p.name} both covers and retires {p.upstream} {v}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc gives a heading (its default slugify)."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_readme_links_into_docs_resolve():
+    """The README is not part of the docs site (whose strict build checks the pages' own links):
+    every relative link it holds names a file that exists, and an anchor names a heading there."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        links = re.findall(r"\]\(([^)\s]+)\)", fh.read())
+    relative = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in relative)
+    for link in relative:
+        path, _, anchor = link.partition("#")
+        assert os.path.isfile(os.path.join(ROOT, path)), f"README links to {link}: no such file"
+        if anchor:
+            with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+                slugs = {_slug(line.lstrip("#")) for line in fh if line.startswith("#")}
+            assert anchor in slugs, f"README links to {link}: {path} has no such heading"
