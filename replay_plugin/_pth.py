@@ -5,7 +5,7 @@ environment, twice in a venv (cpython#75723). The line checks ``REPLAY_PLUGIN_DI
 uses the standard library only, imports nothing of this package at start-up, is idempotent
 and silent: it puts a finder on ``sys.meta_path`` that does nothing until the first import of
 a watched top-level name, then removes itself and hands over to ``replay_plugin._bootstrap``.
-Start-up cost is measured by ``replay-plugin bench startup`` (README, "Benchmarks").
+Start-up cost is measured by ``replay-plugin bench startup`` (docs/benchmarks.md).
 
 The committed ``replay_plugin.pth`` equals :func:`pth_line` (``python scripts/sync.py``).
 """

@@ -2,7 +2,7 @@
 
 A *patch pack* is a module registered under the entry-point group ``replay_plugin.patches``
 that implements :func:`replay_plugin_patches`. This package's own packs return a table whose
-metadata lives in compat_matrix.yaml (see README, "Adding a patch"); a third-party pack returns
+metadata lives in compat_matrix.yaml (see docs/development.md, "Adding a patch"); a third-party pack returns
 complete ``PatchSpec`` objects::
 
     from replay_plugin.hooks import hookimpl

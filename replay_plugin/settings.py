@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .spec import ENV_PREFIX as PREFIX
 
-#: Global variables and their one-line meaning (README's table is checked against this).
+#: Global variables and their one-line meaning (rendered into docs/reference/environment.md by scripts/sync.py).
 GLOBALS: dict[str, str] = {
     "REPLAY_PLUGIN_DISABLE": "`1`: nothing is activated; nothing beyond the .pth line runs",
     "REPLAY_PLUGIN_STRICT": "`1`: a patch that cannot apply (unsupported version, missing target, "

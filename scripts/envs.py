@@ -6,7 +6,9 @@
     python3 scripts/envs.py wheel              # build the plugin wheel into dist/
     python3 scripts/envs.py test [NAME ...] [-- PYTEST ARGS]   # what scripts/test runs
                                                # (test paths in PYTEST ARGS replace NAME's own)
-    python3 scripts/envs.py lint               # ruff check, ruff format --check, mypy (env lint)
+    python3 scripts/envs.py lint               # ruff check, ruff format --check, mypy, and the docs
+                                               # site (mkdocs build --strict), in env lint
+    python3 scripts/envs.py docs [DIR]         # the docs site alone (into a temporary dir, or DIR)
     python3 scripts/envs.py run NAME -- CMD... # run CMD with NAME's venv first on PATH
 
 Test environments are the entries of envs/envs.toml with `tests`; `lint` has none (no pytest).
@@ -69,6 +71,8 @@ INSTALL_SCHEME = "1"  # bump to force every cached venv to be rebuilt
 TORCH_FAMILY = {"torch", "torchaudio", "torchvision", "torchcodec"}
 LINT_ENV = "lint"
 LINT_COMMANDS = (["ruff", "check", "."], ["ruff", "format", "--check", "."], ["mypy"])
+#: the docs site of mkdocs.yml: --strict fails on a broken link or anchor (its `validation`)
+DOCS_COMMAND = ["mkdocs", "build", "--strict", "--quiet", "--config-file", "mkdocs.yml", "--site-dir"]
 # pytest options that run a subset of an environment's tests (or stop early)
 SUBSET_OPTIONS = (
     "-k",
@@ -1077,18 +1081,41 @@ def run_tests(names: list[str], pytest_args: list[str]) -> int:
     return 0 if all(not problems for _, problems, _ in summary) else 1
 
 
-def run_lint() -> int:
-    """ruff check, ruff format --check and mypy (configured in pyproject.toml) in the lint
-    environment, from the checkout; every command runs and any failure fails the step."""
+def _lint_env() -> tuple[str, dict[str, str]]:
     venv = ensure(LINT_ENV)
     env = dict(os.environ, PATH=os.path.join(venv, "bin") + os.pathsep + os.environ.get("PATH", ""))
     env.pop("PYTHONPATH", None)
+    env["NO_MKDOCS_2_WARNING"] = "1"  # mkdocs-material's banner about MkDocs 2.0 on every build
+    return venv, env
+
+
+def run_docs(site_dir: str | None = None) -> int:
+    """``mkdocs build --strict`` of mkdocs.yml in the lint environment, into ``site_dir`` or a
+    temporary directory (removed afterwards: the site is never written into the checkout)."""
+    venv, env = _lint_env()
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [*DOCS_COMMAND, site_dir or os.path.join(tmp, "site")]
+        log(f"[lint] {' '.join(cmd)}")
+        start = time.time()
+        rc = subprocess.run([os.path.join(venv, "bin", cmd[0]), *cmd[1:]], env=env, cwd=ROOT).returncode
+    log(f"docs site: {'built' if rc == 0 else f'FAILED (exit {rc})'} in {time.time() - start:.1f} s")
+    return rc
+
+
+def run_lint() -> int:
+    """ruff check, ruff format --check and mypy (configured in pyproject.toml), then the docs
+    site (:func:`run_docs`), in the lint environment, from the checkout; every command runs and
+    any failure fails the step."""
+    venv, env = _lint_env()
     failed = []
     for cmd in LINT_COMMANDS:
         log(f"[lint] {' '.join(cmd)}")
         rc = subprocess.run([os.path.join(venv, "bin", cmd[0]), *cmd[1:]], env=env, cwd=ROOT).returncode
         if rc != 0:
             failed.append(f"{' '.join(cmd)} (exit {rc})")
+    rc = run_docs()
+    if rc != 0:
+        failed.append(f"{' '.join(DOCS_COMMAND[:3])} (exit {rc})")
     log("lint: passed" if not failed else f"lint: FAILED: {'; '.join(failed)}")
     return 1 if failed else 0
 
@@ -1123,6 +1150,10 @@ def main(argv: list[str]) -> int:
         return run_tests(rest, extra)
     if cmd == "lint":
         return run_lint()
+    if cmd == "docs":
+        if len(rest) > 1:
+            raise SystemExit("usage: envs.py docs [SITE_DIR]")
+        return run_docs(os.path.abspath(rest[0]) if rest else None)
     if cmd == "run":
         (name,) = rest
         venv = ensure(name)

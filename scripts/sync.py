@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Regenerate what is derived from compat_matrix.yaml and the patch registry.
 
-    python scripts/sync.py            # rewrite replay_plugin.pth, pyproject extras, README tables
-                                      # (and the demo tables, from the runs kept in docs/demo/)
+    python scripts/sync.py            # rewrite replay_plugin.pth, pyproject extras and the generated
+                                      # sections of README.md and docs/**/*.md (reference tables,
+                                      # demo tables from the runs kept in docs/demo/)
     python scripts/sync.py --check    # exit 1 (with a diff) when any of them is out of date
     <env>/bin/python scripts/sync.py --fingerprints
                                       # record the fingerprints (targets and relied-on code) of
@@ -28,6 +29,7 @@ Runs from the source tree (it puts the checkout first on sys.path).
 from __future__ import annotations
 
 import difflib
+import functools
 import glob
 import os
 import re
@@ -35,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 
 import yaml
 
@@ -46,9 +49,12 @@ from replay_plugin import _pth, compat, registry, settings  # noqa: E402
 from replay_plugin.spec import toggle_name  # noqa: E402
 
 MATRIX = os.path.join(ROOT, "compat_matrix.yaml")
-DEMO_RUNS = os.path.join(ROOT, "docs", "demo")  # `replay-plugin demo --json` output of real runs
+DOCS = os.path.join(ROOT, "docs")
+DEMO_RUNS = os.path.join(DOCS, "demo")  # `replay-plugin demo --json` output of real runs
+SECTION = re.compile(r"<!-- BEGIN generated:([a-z0-9-]+) -->\n.*?<!-- END generated:\1 -->", re.S)
 
 
+@functools.cache
 def own_specs() -> list:
     """Specs of this package's own packs (from pyproject's entry points, not the installed ones)."""
     import importlib
@@ -156,12 +162,97 @@ def demo_spread(trainer: str) -> str:
     return "\n".join(lines)
 
 
-def replace_between(text: str, name: str, body: str) -> str:
-    begin, end = f"<!-- BEGIN generated:{name} -->", f"<!-- END generated:{name} -->"
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
-    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def patch_reference(matrix: compat.Matrix) -> str:
+    """Every patch, grouped by upstream: what it wraps, where it applies, its switch and settings,
+    and the matrix's why / upstream fix / remove-when in full."""
+    knobs = {spec.name: spec.knobs for spec in own_specs()}
+    out: list[str] = []
+    for up in matrix.upstreams.values():
+        patches = [p for p in matrix.patches.values() if p.upstream == up.key]
+        if not patches:
+            continue
+        out += [f"## {up.key}", ""]
+        for p in patches:
+            versions = f"`{compat.format_spec(p.versions)}`" + "".join(
+                f"; retired `{r}`: {_one_line(why)}" for r, why in p.retired.items()
+            )
+            out += [f"### `{p.name}`", ""]
+            out.append(f"- **versions**: {versions}")
+            out.append(f"- **default**: {'on' if p.default else 'off'}; toggle `{toggle_name(p.name)}`")
+            for knob in knobs.get(p.name, ()):
+                out.append(f"- **setting**: `{knob.env}` ([environment](environment.md))")
+            out.append(f"- **fingerprinted**: {', '.join(p.fingerprints) or '-'}")
+            for version, note in p.untested.items():
+                out.append(f"- **untested {version}**: {_one_line(note)}")
+            out.append("- **targets**: " + ", ".join(f"`{t}`" for t in p.targets))
+            if p.relies_on:
+                out.append("- **relies on**: " + ", ".join(f"`{r}`" for r in p.relies_on))
+            out += [
+                "",
+                f"**Why.** {_one_line(p.why)}",
+                "",
+                f"**Upstream fix.** {_one_line(p.fix)}",
+                "",
+                f"**Remove when.** {_one_line(p.remove_when)}",
+                "",
+            ]
+    return "\n".join(out).rstrip("\n")
+
+
+def upstream_notes(matrix: compat.Matrix) -> str:
+    """Per upstream: the matrix's notes and the evidence for each source-verified release."""
+    out: list[str] = []
+    for up in matrix.upstreams.values():
+        out += [f"### {up.key}", ""]
+        if up.notes:
+            out += [_one_line(up.notes), ""]
+        for version, evidence in up.source_verified.items():
+            out.append(f"- **{version}** (source-verified): {_one_line(evidence)}")
+        if up.source_verified:
+            out.append("")
+    return "\n".join(out).rstrip("\n")
+
+
+def renderers(matrix: compat.Matrix) -> dict[str, Callable[[], str]]:
+    """Generated section name -> its content. A section may sit in README.md or any docs page."""
+    out: dict[str, Callable[[], str]] = {
+        "versions": lambda: versions_table(matrix),
+        "patches": lambda: patches_table(matrix),
+        "patch-reference": lambda: patch_reference(matrix),
+        "upstream-notes": lambda: upstream_notes(matrix),
+        "env": lambda: env_table(own_specs()),
+    }
+    for trainer in ("megatron", "hf"):
+        out[f"demo-{trainer}"] = functools.partial(demo_table, trainer)
+        out[f"demo-{trainer}-seeds"] = functools.partial(demo_spread, trainer)
+    return out
+
+
+def doc_pages() -> list[str]:
+    """The files that may hold generated sections: README.md and every docs/**/*.md page."""
+    return [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True))]
+
+
+def render_sections(text: str, path: str, render: dict[str, Callable[[], str]], used: set[str]) -> str:
+    """``text`` with every ``<!-- BEGIN generated:NAME -->`` ... ``END`` section re-rendered."""
+    rel = os.path.relpath(path, ROOT)
+    begins = re.findall(r"<!-- BEGIN generated:([a-z0-9-]+) -->", text)
+    ends = re.findall(r"<!-- END generated:([a-z0-9-]+) -->", text)
+    if begins != ends or len(SECTION.findall(text)) != len(begins):
+        raise SystemExit(f"{rel}: unbalanced generated-section markers (BEGIN {begins}, END {ends})")
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in render:
+            raise SystemExit(f"{rel}: unknown generated section {name!r}; known: {', '.join(sorted(render))}")
+        used.add(name)
+        return f"<!-- BEGIN generated:{name} -->\n{render[name]()}\n<!-- END generated:{name} -->"
+
+    return SECTION.sub(sub, text)
 
 
 def generated() -> dict[str, str]:
@@ -176,16 +267,15 @@ def generated() -> dict[str, str]:
     pattern = re.compile(r"(\[project\.optional-dependencies\]\n)(.*?)(\n\n)", re.S)
     out[path] = pattern.sub(lambda m: m.group(1) + extras_block(matrix) + m.group(3), text, count=1)
 
-    path = os.path.join(ROOT, "README.md")
-    with open(path) as fh:
-        text = fh.read()
-    text = replace_between(text, "versions", versions_table(matrix))
-    text = replace_between(text, "patches", patches_table(matrix))
-    text = replace_between(text, "env", env_table(own_specs()))
-    for trainer in ("megatron", "hf"):
-        text = replace_between(text, f"demo-{trainer}", demo_table(trainer))
-        text = replace_between(text, f"demo-{trainer}-seeds", demo_spread(trainer))
-    out[path] = text
+    render, used = renderers(matrix), set[str]()
+    for path in doc_pages():
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        new = render_sections(text, path, render, used)
+        if "<!-- BEGIN generated:" in text:
+            out[path] = new
+    if set(render) - used:
+        raise SystemExit(f"no page holds the generated sections {sorted(set(render) - used)} (README.md, docs/)")
     return out
 
 

@@ -1,18 +1,8 @@
-"""Patch pack for SkyRL (entry point ``replay_plugin.patches: skyrl``): one row per patch; targets,
-versions and the rest are in compat_matrix.yaml. Switched on by SkyRL's own config keys, nothing
-else (README "SkyRL"):
+"""Patch pack for SkyRL (entry point ``replay_plugin.patches: skyrl``): one row per patch.
+Switched on by SkyRL's own config keys, nothing else (docs/integrations/skyrl.md).
 
-* ``skyrl.sample_support_rows`` on the vLLM server actor module: ``/skyrl/v1/generate`` returns the
-  plugin's exact rows (``generate_endpoint``); where it is not in place, the two width patches
-  refuse a job that asks for sample support (``capture_guard``);
-* ``skyrl.engine_support_width`` on ``inference_servers/utils``: the engine allows the rows' width
-  (``engine_args``);
-* ``skyrl.generator_support_width`` on the gym generator: SkyRL's agent loop takes rows as wide as
-  they come (``generator_rows``);
-* ``skyrl.fsdp_routes`` on the FSDP model wrapper, ``skyrl.fsdp_worker_routes`` on the workers and
-  ``skyrl.fsdp_routes_config`` on SkyRL's config checks: routed-expert replay on SkyRL's FSDP path
-  (``fsdp_routes``).
-
+What each patch fixes, and how: its module's docstring (the row names it); targets, versions,
+why, upstream fix and remove-when: compat_matrix.yaml, rendered into docs/reference/patches.md.
 Loading this pack imports nothing but the plugin's machinery.
 """
 

@@ -1,34 +1,8 @@
-"""Patch pack for verl (entry point ``replay_plugin.patches: verl``): one row per patch; targets,
-versions and the rest are in compat_matrix.yaml. Driven by verl's batch and config, nothing else
-(README "verl"):
+"""Patch pack for verl (entry point ``replay_plugin.patches: verl``): one row per patch. Driven
+by verl's batch and config, nothing else (docs/integrations/verl.md).
 
-* ``verl.rollout_support_server`` on verl's vLLM server: with
-  ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` the engine allows the rows' width
-  and each opted-in request's support rows come back in ``TokenOutput.extra_fields``;
-* ``verl.rollout_support_batch`` on the agent loop: training requests opt in, every turn's rows
-  are kept and aligned with the response, and the sample carries ``rollout_sample_support``
-  (V0 ``DataProto`` and V1 TransferQueue);
-* ``verl.rollout_support_padding`` on the V1 trainer's padding template: the no-op samples verl pads
-  a TransferQueue batch with get one row of ``-1``, not the first sample's rows;
-* ``verl.rollout_refusals`` on the V1 trainer's ``ReplayBuffer``: a trajectory the plugin refused in
-  the rollout (tagged on its prompt by the agent-loop half) stops the step with the plugin's error,
-  where verl V1 would drop it and train on the rest of the batch;
-
-* ``verl.fsdp_support_logprobs`` on the FSDP engine's ``prepare_model_outputs``: log-probs over
-  the rollout's support when the batch carries ``rollout_sample_support``;
-* ``verl.fsdp_routes`` on the FSDP engine's ``forward_backward_batch`` / ``forward_step``: R3
-  with verl's ``router_replay.mode: R3`` and the batch's ``routed_experts``;
-* ``verl.megatron_support_logprobs`` on the Megatron engine's ``forward_step`` and verl's Megatron
-  forward function: log-probs over the rollout's support when the batch carries
-  ``rollout_sample_support`` (R3 on Megatron stays verl's own ``RouterReplay``);
-* ``verl.megatron_r3_layout`` on the Megatron engine's ``forward_backward_batch``: verl's own R3
-  with the padded layout and several sequences per micro-batch is refused (it replays other
-  tokens' routes);
-
-* ``verl.engine_replay_guard`` on ``BaseEngine.infer_batch`` / ``train_batch``: a batch with rows
-  is refused by an engine no applied patch makes score over them, and an FSDP engine configured
-  for router replay while ``verl.fsdp_routes`` is not applied.
-
+What each patch fixes, and how: its module's docstring (the row names it); targets, versions,
+why, upstream fix and remove-when: compat_matrix.yaml, rendered into docs/reference/patches.md.
 The Ulysses N-D partition patch verl needs for routes (``ulysses.nd_partition``) lives in the
 FSDP pack. Loading this pack imports nothing but the plugin's machinery.
 """

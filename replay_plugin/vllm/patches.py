@@ -1,19 +1,11 @@
-"""Patch pack for vLLM (entry point ``replay_plugin.patches: vllm``): one row per patch;
-targets, versions and the rest are in compat_matrix.yaml. ``vllm.sample_support`` keeps its
-request admission and its capture in two helper modules; the served patches share
-``served_stream``; refusals share ``refusal``.
+"""Patch pack for vLLM (entry point ``replay_plugin.patches: vllm``): one row per patch.
+``vllm.sample_support`` keeps its request admission and its capture in two helper modules and arms
+on ``vllm.engine.arg_utils`` (imported before any engine configuration is created, also by
+``vllm serve``); the served patches share ``served_stream``; refusals share ``refusal``.
 
-* ``vllm.sample_support`` arms on ``vllm.engine.arg_utils`` (imported before any engine
-  configuration is created, also by ``vllm serve``);
-* ``vllm.request_guard`` on the input processor (front end; no upper version bound: it must
-  stay when the capture patches are skipped);
-* ``vllm.engine_admission`` on the engine core module (engine-core processes, headless ones too);
-* ``vllm.batch_rows`` on the scheduler module (engine-core processes; its front-end half is
-  part of ``vllm.sample_support``);
-* ``vllm.sampler_rows`` and ``vllm.cpu_logprob_ranks`` on the V1 sampler (worker processes);
-* ``vllm.routed_experts`` on the output processor of the API-server process;
-* ``vllm.openai_fields``, ``vllm.served_endpoints`` and ``vllm.generate_fields`` on the server's
-  modules, so that offline jobs never import the server.
+What each patch fixes, and how: its module's docstring (the row names it); targets, versions,
+why, upstream fix and remove-when: compat_matrix.yaml, rendered into docs/reference/patches.md;
+which process each patch changes: docs/integrations/vllm.md.
 """
 
 from __future__ import annotations

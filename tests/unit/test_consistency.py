@@ -1,7 +1,9 @@
-"""compat_matrix.yaml, the patch registry, pyproject extras, the .pth line and the README agree."""
+"""compat_matrix.yaml, the patch registry, pyproject extras, the .pth line, the README and the
+generated docs pages agree."""
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -71,7 +73,8 @@ def test_entry_points_declared():
 
 
 def test_generated_files_are_current():
-    """replay_plugin.pth, pyproject extras and README tables equal what scripts/sync.py generates."""
+    """replay_plugin.pth, pyproject extras and the generated sections of README.md and docs/**/*.md
+    equal what scripts/sync.py generates."""
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "sync.py"), "--check"],
         stdout=subprocess.PIPE,
@@ -79,6 +82,58 @@ def test_generated_files_are_current():
         text=True,
     )
     assert proc.returncode == 0, proc.stdout
+
+
+def _sync(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` with scripts/sync.py imported as ``sync`` (in a process of its own: importing it
+    sets REPLAY_PLUGIN_DISABLE)."""
+    prelude = f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'scripts')!r}); import sync\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True)
+
+
+_RENDER_CHECK = r"""
+render, used = sync.renderers(sync.compat.load(sync.MATRIX)), set()
+text = "x\n<!-- BEGIN generated:versions -->\nstale\n<!-- END generated:versions -->\ny\n"
+out = sync.render_sections(text, "docs/page.md", render, used)
+assert "stale" not in out and "| megatron-core |" in out and used == {"versions"}, out
+unknown, unclosed, crossed = (
+    "<!-- BEGIN generated:nope -->\n<!-- END generated:nope -->",
+    "<!-- BEGIN generated:env -->",
+    "<!-- BEGIN generated:versions -->\n<!-- END generated:env -->",
+)
+for bad in (unknown, unclosed, crossed):
+    try:
+        sync.render_sections(bad, "docs/page.md", render, set())
+    except SystemExit as exc:
+        assert "page.md" in str(exc), exc
+    else:
+        raise AssertionError(bad)
+pages = {p[len(sync.ROOT) :] for p in sync.doc_pages()}
+assert {"/README.md", "/docs/reference/patches.md", "/docs/reference/environment.md"} <= pages, pages
+"""
+
+
+def test_generated_sections_render_in_any_page():
+    """A section is rendered wherever its markers sit; an unknown name or unbalanced markers fail,
+    naming the file; the reference pages are among the pages read."""
+    proc = _sync(_RENDER_CHECK)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_reference_pages_cover_every_patch_and_variable():
+    """docs/reference/: a section per patch (targets, why, fix, remove-when) and a row per variable."""
+    with open(os.path.join(ROOT, "docs", "reference", "patches.md"), encoding="utf-8") as fh:
+        patches = fh.read()
+    with open(os.path.join(ROOT, "docs", "reference", "environment.md"), encoding="utf-8") as fh:
+        env = fh.read()
+    for name, entry in _matrix().patches.items():
+        section = patches.split(f"### `{name}`\n", 1)[1].split("\n### ", 1)[0]
+        assert all(f"`{t}`" in section for t in entry.targets), name
+        assert "**Why.**" in section and "**Upstream fix.**" in section and "**Remove when.**" in section, name
+    for spec in _own_specs():
+        assert f"| `{spec.env}` |" in env, spec.env
+        for knob in spec.knobs:
+            assert f"| `{knob.env}` |" in env, knob.env
 
 
 def test_patch_ranges_inside_upstream_ranges():
@@ -90,3 +145,25 @@ def test_patch_ranges_inside_upstream_ranges():
             covered, retired = compat.version_in(v, p.versions), compat.retired_reason(p.retired, v)
             assert covered or retired, f"{p.name} does not cover tested {p.upstream} {v}"
             assert not (covered and retired), f"{p.name} both covers and retires {p.upstream} {v}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor Python-Markdown's toc gives a heading (its default slugify)."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_readme_links_into_docs_resolve():
+    """The README is not part of the docs site (whose strict build checks the pages' own links):
+    every relative link it holds names a file that exists, and an anchor names a heading there."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        links = re.findall(r"\]\(([^)\s]+)\)", fh.read())
+    relative = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in relative)
+    for link in relative:
+        path, _, anchor = link.partition("#")
+        assert os.path.isfile(os.path.join(ROOT, path)), f"README links to {link}: no such file"
+        if anchor:
+            with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
+                slugs = {_slug(line.lstrip("#")) for line in fh if line.startswith("#")}
+            assert anchor in slugs, f"README links to {link}: {path} has no such heading"

@@ -194,7 +194,7 @@ def test_test_environments_and_the_lint_environment():
                     assert f"def {test}(" in fh.read(), f"env {env}: {file} has no test {test}"
     lint = envs["lint"]
     assert "tests" not in lint and lint["upstreams"] == []  # scripts/envs.py test never runs it
-    assert {"ruff", "mypy", "types-pyyaml"} <= set(locks["lint"])
+    assert {"ruff", "mypy", "types-pyyaml", "mkdocs", "mkdocs-material"} <= set(locks["lint"])  # mkdocs: the docs site
     assert not {"torch", "pytest"} & set(locks["lint"])
 
 

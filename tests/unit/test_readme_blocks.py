@@ -1,4 +1,5 @@
-"""Every Python block of the README is named and run by a test (tests/readme_blocks.py)."""
+"""Every Python block of the README and the docs pages is named and run by a test
+(tests/readme_blocks.py)."""
 
 from __future__ import annotations
 
@@ -29,15 +30,24 @@ def _names_run_by_tests() -> dict[str, list[str]]:
 
 def test_every_python_block_is_named_once_and_compiles():
     blocks = readme_blocks.python_blocks()
-    assert blocks, "the README has no python blocks?"
-    unnamed = [b.line for b in blocks if b.name is None]
-    assert not unnamed, (
-        f"README.md python blocks without a '<!-- readme-test: NAME -->' line before them: lines {unnamed}"
-    )
+    assert blocks, "the README and docs/ have no python blocks?"
+    unnamed = [readme_blocks.where(b) for b in blocks if b.name is None]
+    assert not unnamed, f"python blocks without a '<!-- readme-test: NAME -->' line before them: {unnamed}"
     names = [b.name for b in blocks]
-    assert len(names) == len(set(names)), f"duplicate block names: {names}"
+    dups = sorted({n for n in names if names.count(n) > 1})
+    assert not dups, "block names used twice (names are unique across README.md and docs/): " + ", ".join(
+        f"{n} at {[readme_blocks.where(b) for b in blocks if b.name == n]}" for n in dups
+    )
     for b in blocks:
-        compile(b.code, f"README.md:{b.line}", "exec")
+        compile(b.code, readme_blocks.where(b), "exec")
+
+
+def test_docs_pages_are_read():
+    """Blocks are looked up in docs/**/*.md as well as in README.md (the integration pages hold most)."""
+    pages = readme_blocks.pages()
+    assert pages[0] == readme_blocks.README
+    assert any(p.startswith(readme_blocks.DOCS + os.sep) for p in pages)
+    assert any(b.path != readme_blocks.README for b in readme_blocks.python_blocks())
 
 
 def test_every_block_is_run_by_a_test_and_every_run_names_a_block():
@@ -48,8 +58,10 @@ def test_every_block_is_run_by_a_test_and_every_run_names_a_block():
 
 
 def test_markers_sit_on_python_blocks(tmp_path):
-    with open(readme_blocks.README, encoding="utf-8") as fh:
-        markers = sum(1 for line in fh if readme_blocks.MARKER.match(line))
+    markers = 0
+    for page in readme_blocks.pages():
+        with open(page, encoding="utf-8") as fh:
+            markers += sum(1 for line in fh if readme_blocks.MARKER.match(line))
     assert markers == len([b for b in readme_blocks.python_blocks() if b.name])
 
 
