@@ -177,9 +177,7 @@ def _stream(llm, kind, seed: int, max_tokens: int = 6):
 
     engine = llm.llm_engine
     rid = f"mrv2-{kind.name}-{seed}"
-    params = _params(
-        top_k=5, max_tokens=max_tokens, seed=seed, ignore_eos=True, extra_args=OPT_IN, output_kind=kind
-    )
+    params = _params(top_k=5, max_tokens=max_tokens, seed=seed, ignore_eos=True, extra_args=OPT_IN, output_kind=kind)
     engine.add_request(rid, PROMPTS[2], params)
     outs = []
     while engine.has_unfinished_requests():
@@ -243,9 +241,9 @@ def test_forced_tokens_are_their_own_support(native_llm):
     kw = dict(top_k=5, temperature=0.8, max_tokens=12, ignore_eos=True, thinking_token_budget=3, seed=3)
     with stock_vllm():
         stock = native_llm.generate({"prompt_token_ids": prompt}, _params(**kw), use_tqdm=False)[0].outputs[0]
-    ours = native_llm.generate(
-        {"prompt_token_ids": prompt}, _params(extra_args=OPT_IN, **kw), use_tqdm=False
-    )[0].outputs[0]
+    ours = native_llm.generate({"prompt_token_ids": prompt}, _params(extra_args=OPT_IN, **kw), use_tqdm=False)[
+        0
+    ].outputs[0]
     tokens = list(ours.token_ids)
     assert tokens == list(stock.token_ids)
     at = next(j for j in range(len(tokens)) if tokens[j : j + len(end)] == end)
