@@ -87,9 +87,16 @@ def _row_sets(rows) -> list[set]:
 
 
 def _logprob_rows(completion):
+    """Per position: the sampled token's logprob and the set of listed logprob values. Which of
+    several exactly tied ids fill the last ranks (and so how many distinct ids a position lists)
+    is not stable between two runs of the same request in stock vLLM on MRV2 (seen on 0.31: ids
+    (96, 97) once, (96, 97, 98) the next time, all of one tied value), so ids are not compared."""
     if completion.logprobs is None:
         return None
-    return [sorted((tid, lp.logprob) for tid, lp in position.items()) for position in completion.logprobs]
+    return [
+        (position[token].logprob, sorted({lp.logprob for lp in position.values()}))
+        for token, position in zip(completion.token_ids, completion.logprobs)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +151,7 @@ def test_user_logprobs_and_plain_requests_as_stock(batch_runs):
         if not (p.extra_args or {}).get("replay_sample_support"):
             assert "sample_support" not in o.__dict__
             assert o.text == s.text and list(o.token_ids) == list(s.token_ids)
-    assert _logprob_rows(ours[1]) is not None and all(len(r) in (2, 3) for r in _logprob_rows(ours[1]))
+    assert ours[1].logprobs is not None and all(len(position) in (2, 3) for position in ours[1].logprobs)
 
 
 def test_routes_come_back_through_model_runner_v2(batch_runs, native_llm):
