@@ -152,9 +152,9 @@ def _declare(env: str, up: str):
     "mutate, message",
     [
         (_drop_upstream("verl", "main", "verltq"), "verl 0.9.1 is tested"),
-        (_drop_upstream("vllm", "vllm032"), "vllm 0.32.0 is tested"),
+        (_drop_upstream("vllm", "vllm032", "vllm032mrv2"), "vllm 0.32.0 is tested"),
         (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0", "0.32.1"]), "vllm 0.32.1 is tested"),
-        (_drop_upstream("vllm", "vllm031"), "vllm 0.31.0 is tested"),
+        (_drop_upstream("vllm", "vllm031", "vllm031mrv2"), "vllm 0.31.0 is tested"),
         (_drop_upstream("megatron-core", "megatron018"), "megatron-core 0.18.2 is tested"),
         (_pin("megatron017", "megatron-core", "0.17.0"), "env megatron017: pins megatron-core 0.17.0"),
         (_set_tested("megatron-core", ["0.16.1"]), "env py312: pins megatron-core 0.19.2, not a tested version"),
@@ -462,7 +462,9 @@ def test_the_shims_pth_runs_the_named_files_in_every_process_and_nothing_without
         env = {k: v for k, v in os.environ.items() if k not in ("REPLAY_TEST_SHIMS", "SHIM_RAN")}
         if shims is not None:
             env["REPLAY_TEST_SHIMS"] = shims
-        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        # -S: this interpreter's own site-packages may hold a replay_test_shims.pth too (a venv an
+        # environment with `shims` runs in); only the one under test may run
+        return subprocess.run([sys.executable, "-S", "-c", probe], env=env, capture_output=True, text=True, check=True)
 
     assert run(os.pathsep.join(marks)).stdout.split() == ["0replay_test_shim1replay_test_shim", "False"]
     assert run(None).stdout.split() == ["None", "False"]

@@ -13,6 +13,8 @@ by it): ``--override-generation-config`` gives every request a default ``top_k``
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 
@@ -99,20 +101,29 @@ def test_generate_endpoint_rows_equal_vllms_own_mask(mask_server):
     assert code == 200, plain
     assert plain["choices"][0]["sampling_mask"] and "sample_support" not in plain["choices"][0]
 
-    body = _generate_body(mask_server, extra_args={"replay_sample_support": True})
+    body = _generate_body(mask_server, extra_args={"replay_sample_support": True, "replay_routed_experts": True})
     code, doc, _ = mask_server.post("/inference/v1/generate", body)
     assert code == 200, doc
     choice = doc["choices"][0]
     assert choice["sampling_mask"] == plain["choices"][0]["sampling_mask"]  # same seed: vLLM's own
-    rows = decode_choice(choice).support
+    replay = decode_choice(choice)
+    rows = replay.support
     assert rows.exact.all() and rows.sampled.tolist() == choice["token_ids"]
     assert _row_sets(rows) == _mask_sets(choice["sampling_mask"])
+    # routes through MRV2 (the AuxOutput connector from 0.31), compact, one row per scored position
+    routes = replay.routed_experts
+    assert routes.dtype == np.uint8 and routes.shape == (len(body["token_ids"]) + len(choice["token_ids"]) - 1, 2, 2)
+    stock_routes = plain["choices"][0]["routed_experts"]
+    assert isinstance(stock_routes, str)  # vLLM's own base64 .npy of the same request
+    assert np.array_equal(np.load(io.BytesIO(base64.b64decode(stock_routes)), allow_pickle=False), routes)
 
     code, chunks, _ = mask_server.stream("/inference/v1/generate", body)
     assert code == 200
     for tokens, chunk_rows in _chunk_rows(chunks):
         assert chunk_rows is not None and chunk_rows.sampled.tolist() == tokens and chunk_rows.exact.all()
-    _same_rows(decode_stream(chunks)[0].support, rows)
+    streamed = decode_stream(chunks)[0]
+    _same_rows(streamed.support, rows)
+    assert np.array_equal(streamed.routed_experts, routes)
     streamed_mask = [m for ch in chunks for c in ch["choices"] for m in (c.get("sampling_mask") or [])]
     assert streamed_mask == choice["sampling_mask"]
     assert np.asarray(choice["token_ids"]).size == len(streamed_mask)
