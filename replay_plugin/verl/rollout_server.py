@@ -140,7 +140,8 @@ def _check_capture() -> None:
             f"{switch.PREFIX}{switch.SWITCH}=true but the plugin's vLLM capture cannot run here: "
             + "; ".join(f"patch {n} {w}" for n, w in off)
             + ". Run a vLLM in the capture patches' range (`replay-plugin matrix`; verl 0.9.1 runs on vLLM 0.30, "
-            'README "verl") with their REPLAY_PLUGIN_VLLM_* toggles unset, or drop the switch',
+            "docs/integrations/verl.md#vllm-versions-and-limits) with their REPLAY_PLUGIN_VLLM_* toggles unset, "
+            "or drop the switch",
             value=why,
         )
 
