@@ -17,12 +17,7 @@ import sys
 
 import pytest
 from support import ROOT
-from support.procs import plugin_installed_as_wheel, run_python  # noqa: F401 - see below
-from support.upstream import Usage, need, write_report  # noqa: F401 - see below
-
-# tests/integration/vllm/conftest.py still reads need, run_python, plugin_installed_as_wheel and
-# ROOT from this module under the name "replay_tests_conftest" (until its imports move to support)
-sys.modules.setdefault("replay_tests_conftest", sys.modules[__name__])
+from support.upstream import Usage, write_report
 
 
 @pytest.hookimpl(hookwrapper=True)
