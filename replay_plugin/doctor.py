@@ -137,7 +137,7 @@ def check_settings(environ: Mapping[str, str]) -> list[Finding]:
 
     reg = registry.get()
     reg.load_packs()
-    fix = "correct or unset the variable (README, 'Environment variables')"
+    fix = "correct or unset the variable (docs/reference/environment.md)"
     out = [Finding("settings", p, fix) for p in settings.problems(reg.known_env(), environ)]
     out += [Finding("settings", e, "reinstall the pack or block it") for e in states.events()]
     return out
@@ -153,7 +153,8 @@ def check_ray(environ: Mapping[str, str]) -> list[Finding]:
             "ray",
             f"RAY_ADDRESS is set and {', '.join(ours)} are set here: workers of a Ray cluster started "
             "elsewhere (`ray start`) do not inherit this process's environment",
-            "pass them to the actors: runtime_env={'env_vars': {...}} (README, 'Ray workers')",
+            "pass them to the actors: runtime_env={'env_vars': {...}} "
+            "(docs/install.md#ray-workers-verl-skyrl-vllms-ray-executor)",
         )
     ]
 

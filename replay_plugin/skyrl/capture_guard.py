@@ -34,14 +34,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .patches import ON_INEXACT_ENV, ON_INEXACT_POLICIES
+from .patches import ON_INEXACT_ENV, ON_INEXACT_POLICIES, SUPPORT_CONFIG_KEY
 
 #: the patch that makes ``/skyrl/v1/generate`` return the plugin's rows
 CAPTURE = "skyrl.sample_support_rows"
 #: its trigger module (SkyRL's server actor)
 SERVER_MODULE = "skyrl.backends.skyrl_train.inference_servers.vllm_server_actor"
-#: SkyRL's key that asks for sample support
-SUPPORT_KEY = "generator.inference_engine.enable_return_sample_support_set"
 
 _checked = False  # the generator's check passed in this process
 
@@ -124,10 +122,10 @@ def check(import_server: bool) -> None:
     fix = _FIX.get(state, "switch the patch on and run a SkyRL it supports").format(toggle=toggle)
     raise NotReplayable(
         toggle if state == "disabled" else "skyrl",
-        f"SkyRL's config sets {SUPPORT_KEY}=true but the plugin's capture is not in place: patch {CAPTURE} "
+        f"SkyRL's config sets {SUPPORT_CONFIG_KEY}=true but the plugin's capture is not in place: patch {CAPTURE} "
         f"{why}. SkyRL's /skyrl/v1/generate would return its own top_k rows (the sampled id written over "
         f"the weakest member where it is missing) and SkyRL would train on them as the sampler's support. "
-        f"Fix: {fix}; or drop {SUPPORT_KEY}",
+        f"Fix: {fix}; or drop {SUPPORT_CONFIG_KEY}",
         value=state,
     )
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .patches import ROUTES_CONFIG_KEY, SUPPORT_CONFIG_KEY
+
 #: (problem, fix)
 Finding = tuple[str, str]
 
-SUPPORT_KEY = "generator.inference_engine.enable_return_sample_support_set"
-ROUTES_KEY = "generator.inference_engine.enable_return_routed_experts"
 STRATEGY_KEY = "trainer.strategy"
 TOP_K_KEY = "generator.sampling_params.top_k"
 SUPPORT_PATCHES = (
@@ -44,13 +44,13 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
 
     cfg = parse_config(config, "SkyRL")
     out: list[Finding] = []
-    if truthy(cfg.get(SUPPORT_KEY)):
+    if truthy(cfg.get(SUPPORT_CONFIG_KEY)):
         off = [(name, why) for name in SUPPORT_PATCHES for ok, why in [would_apply(name, environ)] if not ok]
         if off:
             detail = "; ".join(f"{name} {why}" for name, why in off)
             out.append(
                 (
-                    f"SkyRL's config sets {SUPPORT_KEY}=true but the plugin's capture is off ({detail}): "
+                    f"SkyRL's config sets {SUPPORT_CONFIG_KEY}=true but the plugin's capture is off ({detail}): "
                     "/skyrl/v1/generate returns SkyRL's own rows of width top_k, with the sampled id written over "
                     "the weakest member where it is missing, and SkyRL trains on them as the sampler's support",
                     "switch the listed patches on (unset their REPLAY_PLUGIN_* toggles and REPLAY_PLUGIN_DISABLE) and "
@@ -61,15 +61,15 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
         if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k <= 1:
             out.append((f"{TOP_K_KEY}={top_k}: sample-support capture needs top_k > 1", f"set {TOP_K_KEY} > 1"))
         out += _check_knob(environ)
-    if truthy(cfg.get(ROUTES_KEY)) and str(cfg.get(STRATEGY_KEY, "fsdp")) in ("fsdp", "fsdp2"):
+    if truthy(cfg.get(ROUTES_CONFIG_KEY)) and str(cfg.get(STRATEGY_KEY, "fsdp")) in ("fsdp", "fsdp2"):
         states = {name: would_apply(name, environ) for name in FSDP_ROUTE_PATCHES}
         config_ok, workers_ok = states["skyrl.fsdp_routes_config"][0], states["skyrl.fsdp_worker_routes"][0]
         if config_ok and not workers_ok:
             out.append(
                 (
-                    f"SkyRL's config sets {ROUTES_KEY}=true with an FSDP strategy and skyrl.fsdp_routes_config lets it "
-                    f"pass, but skyrl.fsdp_worker_routes {states['skyrl.fsdp_worker_routes'][1]}: the routes would be "
-                    "captured and never replayed",
+                    f"SkyRL's config sets {ROUTES_CONFIG_KEY}=true with an FSDP strategy and skyrl.fsdp_routes_config "
+                    f"lets it pass, but skyrl.fsdp_worker_routes {states['skyrl.fsdp_worker_routes'][1]}: the routes "
+                    "would be captured and never replayed",
                     "switch skyrl.fsdp_worker_routes on, or skyrl.fsdp_routes_config off "
                     "(SkyRL then refuses the config)",
                 )

@@ -44,9 +44,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..patcher import Patcher
+from .patches import ROUTES_CONFIG_KEY
 
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
-ROUTES_KEY = "generator.inference_engine.enable_return_routed_experts"
 REPLAY_KEY = "trainer.policy.megatron_config.moe_enable_routing_replay"
 MODEL_WRAPPER_MODULE = "skyrl.backends.skyrl_train.workers.model_wrapper"
 WORKER_METHODS = (
@@ -213,15 +213,15 @@ def _validate_inference_engine_cfg(wrapped, instance, args, kwargs):
             "generator.inference_engine.distributed_executor_backend",
             f"rollout router replay (r3) can hang with the ray backend - use the vLLM mp backend instead "
             f"(generator.inference_engine.distributed_executor_backend={backend!r} with "
-            f"{ROUTES_KEY}=true; set it to mp)",
+            f"{ROUTES_CONFIG_KEY}=true; set it to mp)",
             value=backend,
         )
     if not cfg.trainer.policy.megatron_config.moe_enable_routing_replay:
         raise NotReplayable(
             REPLAY_KEY,
-            f"moe_enable_routing_replay must be True to consume rollout expert indices ({ROUTES_KEY}=true "
+            f"moe_enable_routing_replay must be True to consume rollout expert indices ({ROUTES_CONFIG_KEY}=true "
             f"with {REPLAY_KEY} off: the routes would be captured and never replayed; set {REPLAY_KEY}=true, "
-            f"or {ROUTES_KEY}=false)",
+            f"or {ROUTES_CONFIG_KEY}=false)",
             value=cfg.trainer.policy.megatron_config.moe_enable_routing_replay,
         )
     return result

@@ -90,7 +90,7 @@ class _CapturingEngine:
             from ..vllm import options
 
             extra = dict(getattr(sampling_params, "extra_args", None) or {})
-            extra[options.SUPPORT_KEY] = True
+            extra[options.REQUEST_SUPPORT_KEY] = True
             sampling_params.extra_args = extra
         async for output in self._replay_plugin_engine.generate(prompt, sampling_params, *args, **kwargs):
             if current is not None:

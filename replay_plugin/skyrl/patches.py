@@ -11,6 +11,10 @@ from __future__ import annotations
 from ..hooks import hookimpl
 from ..spec import Knob, Patch
 
+#: SkyRL's config keys that ask for a replay (read by the guards, the FSDP routes patch and the doctor)
+SUPPORT_CONFIG_KEY = "generator.inference_engine.enable_return_sample_support_set"
+ROUTES_CONFIG_KEY = "generator.inference_engine.enable_return_routed_experts"
+
 ON_INEXACT_ENV = "REPLAY_PLUGIN_SKYRL_SAMPLE_SUPPORT_ROWS_ON_INEXACT"
 ON_INEXACT_POLICIES = ("error", "repair")
 ON_INEXACT_KNOB = Knob(

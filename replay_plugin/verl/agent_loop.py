@@ -47,12 +47,12 @@ import numpy as np
 
 from ..patcher import Patcher
 from . import rollout_refusals, switch, turns
+from .switch import BATCH_SUPPORT_KEY
 
 log = logging.getLogger("replay_plugin")
 
-#: the support field, and the private key a V0 sample carries it under from ``_run_agent_loop`` to
-#: ``_postprocess`` (popped there before verl reads ``extra_fields``)
-SUPPORT_KEY = switch.SUPPORT_KEY
+#: the private key a V0 sample carries the support field (``BATCH_SUPPORT_KEY``) under from
+#: ``_run_agent_loop`` to ``_postprocess`` (popped there before verl reads ``extra_fields``)
 _STASH = "_replay_plugin_rollout_sample_support"
 _ACTIVE = False
 _MEMORY_CHECKED = False
@@ -99,7 +99,7 @@ async def _client_generate(wrapped, instance, args, kwargs):
     opt_in = not _greedy(params)
     if opt_in:
         extra = dict(params.get("extra_args") or {})
-        extra[options.SUPPORT_KEY] = True
+        extra[options.REQUEST_SUPPORT_KEY] = True
         # always the job's slack (its key, else this worker's REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK): a
         # server left to its own environment could build rows of another width W than the record's, and
         # verl's jagged V1 field cannot hold samples of different widths
@@ -107,10 +107,10 @@ async def _client_generate(wrapped, instance, args, kwargs):
         params["extra_args"] = extra
         kwargs = {**kwargs, "sampling_params": params}
     output = await wrapped(*args, **kwargs)
-    rows = output.extra_fields.pop(SUPPORT_KEY, None)
+    rows = output.extra_fields.pop(BATCH_SUPPORT_KEY, None)
     if opt_in and rows is None and output.token_ids:
         raise ReplayDataError(
-            SUPPORT_KEY,
+            BATCH_SUPPORT_KEY,
             f"the rollout server answered a request that asked for support rows without them "
             f"({len(output.token_ids)} tokens): the plugin's verl.rollout_support_server patch did not run in the "
             "server process (run `replay-plugin status --import verl.workers.rollout.vllm_rollout.vllm_async_server` "
@@ -194,7 +194,7 @@ def _postprocess(wrapped, instance, args, kwargs):
 
         missing = present.index(False)
         raise ReplayDataError(
-            SUPPORT_KEY,
+            BATCH_SUPPORT_KEY,
             "a batch mixes samples with and without support rows",
             trajectory=missing,
             expected="rows for every training sample of the batch",
@@ -206,7 +206,7 @@ def _postprocess(wrapped, instance, args, kwargs):
     batch = np.full((len(stashed), length, width), turns.PAD, dtype=np.int32)
     for i, rows in enumerate(stashed):
         batch[i, : rows.shape[0], : rows.shape[1]] = rows
-    output.batch[SUPPORT_KEY] = torch.from_numpy(batch)
+    output.batch[BATCH_SUPPORT_KEY] = torch.from_numpy(batch)
     return output
 
 
@@ -231,7 +231,7 @@ def _as_dict(wrapped, instance, args, kwargs):
     import torch
 
     rows = turns.align(instance.response_ids, instance.response_mask, record.turns, record.width)
-    output[SUPPORT_KEY] = torch.from_numpy(rows)
+    output[BATCH_SUPPORT_KEY] = torch.from_numpy(rows)
     return output
 
 

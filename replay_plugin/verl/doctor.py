@@ -113,7 +113,7 @@ def check(config: str | Mapping[str, Any], environ: Mapping[str, str]) -> list[F
         out.append(
             (
                 f"{problem}: verl accepts any key under custom and the plugin refuses the job",
-                "correct the key's name (README, 'verl'), or remove it",
+                "correct the key's name (docs/integrations/verl.md, its opening block), or remove it",
             )
         )
     if wants_support:

@@ -33,10 +33,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.errors import ReplayDataError, ReplayTypeError
-from .switch import SUPPORT_KEY
+from .switch import BATCH_SUPPORT_KEY
 
 #: the plugin's field names of a scoring error -> the verl batch field they come from
-VERL_FIELDS = {"support_ids": SUPPORT_KEY, "loss_mask": "loss_mask", "input_ids": "responses"}
+VERL_FIELDS = {"support_ids": BATCH_SUPPORT_KEY, "loss_mask": "loss_mask", "input_ids": "responses"}
 
 #: the largest support id the engines' int32 rows hold (the Megatron adapter narrows to int32)
 MAX_ID = 2**31 - 1
@@ -201,10 +201,12 @@ def check_batch_rows(data: Any) -> None:
     ``BatchData.chunk`` (``chunk_tensordict``: ``ragged_idx`` defaults to the last dimension)."""
     import torch
 
-    field = data[SUPPORT_KEY]
+    field = data[BATCH_SUPPORT_KEY]
     if not isinstance(field, torch.Tensor):
-        raise ReplayTypeError(SUPPORT_KEY, f"got {type(field).__name__}", expected="a torch tensor, dense or jagged")
-    check_jagged(field, SUPPORT_KEY)
+        raise ReplayTypeError(
+            BATCH_SUPPORT_KEY, f"got {type(field).__name__}", expected="a torch tensor, dense or jagged"
+        )
+    check_jagged(field, BATCH_SUPPORT_KEY)
     if not field.is_nested:
         return
     batch = int(data.batch_size[0]) if len(data.batch_size) else int(field.size(0))
@@ -214,7 +216,7 @@ def check_batch_rows(data: Any) -> None:
     if bad.numel():
         b = int(bad[0, 0])
         raise in_verl_terms(
-            ReplayDataError(SUPPORT_KEY, f"{int(got[b])} rows for a response of {int(response[b])} tokens"),
+            ReplayDataError(BATCH_SUPPORT_KEY, f"{int(got[b])} rows for a response of {int(response[b])} tokens"),
             data, b, None, unit="batch",
             expected="one row per response token, jagged ([b, r_b, W]: torch.nested.as_nested_tensor(rows, "
             "layout=torch.jagged)) or dense [B, R, W]; a strided nested tensor reaches the engine re-nested over its "
@@ -225,7 +227,7 @@ def check_batch_rows(data: Any) -> None:
 def response_support(micro_batch: Any, lengths: Any) -> tuple[Any, Any, Any]:
     """``(response [B], support [B, R, W], loss [B, R] bool)`` of a micro-batch whose sequences
     have ``lengths`` tokens: each response's length (checked to leave a prompt), its support rows
-    (signed integers, ``-1`` padded; :data:`SUPPORT_KEY`) and its loss mask, response-aligned.
+    (signed integers, ``-1`` padded; :data:`BATCH_SUPPORT_KEY`) and its loss mask, response-aligned.
 
     Refused here, for both engines and before any compute (the batch is the same on every
     tensor-, context- and sequence-parallel rank, so all of them refuse together), naming the
@@ -240,12 +242,12 @@ def response_support(micro_batch: Any, lengths: Any) -> tuple[Any, Any, Any]:
     check_temperatures(micro_batch)
     response = response_lengths(micro_batch, int(lengths.numel())).to(lengths.device)
     check_prompts(response, lengths)
-    support = response_rows(micro_batch[SUPPORT_KEY], response, -1, SUPPORT_KEY)
+    support = response_rows(micro_batch[BATCH_SUPPORT_KEY], response, -1, BATCH_SUPPORT_KEY)
     if support.dim() != 3 or support.shape[-1] < 1:
         raise ReplayDataError(
-            SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W >= 1] (jagged [b, r_b, W])"
+            BATCH_SUPPORT_KEY, f"shape {tuple(support.shape)}", expected="[B, R, W >= 1] (jagged [b, r_b, W])"
         )
-    check_support_dtype(support.dtype, SUPPORT_KEY)
+    check_support_dtype(support.dtype, BATCH_SUPPORT_KEY)
     loss = as_mask(response_rows(micro_batch["loss_mask"], response, 0, "loss_mask"), "loss_mask")
     r_max = int(response.max())
     rows, bears = support[:, :r_max], loss[:, :r_max].to(support.device)
@@ -256,7 +258,7 @@ def response_support(micro_batch: Any, lengths: Any) -> tuple[Any, Any, Any]:
             bad = rows[b, t][(rows[b, t] < -1) | (rows[b, t] > MAX_ID)]
             raise in_verl_terms(
                 ReplayDataError(
-                    SUPPORT_KEY,
+                    BATCH_SUPPORT_KEY,
                     f"row of response token {t} holds id {int(bad[0])}, which is no token id (int32 rows would read it "
                     f"as {int(bad[0].to(torch.int32))})",
                 ),
@@ -269,7 +271,7 @@ def response_support(micro_batch: Any, lengths: Any) -> tuple[Any, Any, Any]:
         others = f" (and {count - 1} more in this sample)" if count > 1 else ""
         raise in_verl_terms(
             ReplayDataError(
-                SUPPORT_KEY,
+                BATCH_SUPPORT_KEY,
                 f"response token {t} is loss-bearing but its support row is all -1{others}: verl has no synthetic EOS, "
                 "so a token without the sampler's support would be scored over the full vocabulary, not the set it "
                 "was drawn from (a turn the rollout did not opt in, e.g. greedy: temperature 0 or top_k 1)",

@@ -35,7 +35,7 @@ from typing import Any
 from ..patcher import Patcher
 from .engine_batch import REPLAY_OFF, check_batch_rows, replay_mode
 from .fsdp_engine import FSDP_ENGINE_MODULE
-from .switch import PREFIX, SUPPORT_KEY, SWITCH
+from .switch import BATCH_SUPPORT_KEY, PREFIX, SWITCH
 
 #: (engine module, class name) -> the patch that makes that engine score over the support rows
 CONSUMERS = {
@@ -67,7 +67,8 @@ def check_engine(engine: Any) -> None:
     if patch is None:
         raise NotReplayable(
             "strategy",
-            f"the batch carries {SUPPORT_KEY} ({PREFIX}{SWITCH}=true) but {cls.__name__} ({cls.__module__}) scores "
+            f"the batch carries {BATCH_SUPPORT_KEY} ({PREFIX}{SWITCH}=true) but {cls.__name__} ({cls.__module__}) "
+            "scores "
             "over the full vocabulary: the plugin replays the support on verl's FSDP engine (strategy fsdp / fsdp2) "
             "and Megatron engine (strategy megatron); use one of them, or drop the switch",
             value=cls.__name__,
@@ -77,8 +78,8 @@ def check_engine(engine: Any) -> None:
         return
     raise NotReplayable(
         toggle_name(patch),
-        f"the batch carries {SUPPORT_KEY} ({PREFIX}{SWITCH}=true) but patch {patch}, which makes {cls.__name__} score "
-        f"over it, is {off[1]}: the engine would score over the full vocabulary. "
+        f"the batch carries {BATCH_SUPPORT_KEY} ({PREFIX}{SWITCH}=true) but patch {patch}, which makes "
+        f"{cls.__name__} score over it, is {off[1]}: the engine would score over the full vocabulary. "
         f"Enable the patch ({toggle_name(patch)}=1, a supported verl version), or drop the switch",
         value=off[0],
     )
@@ -126,7 +127,7 @@ def check_routes(engine: Any) -> None:
 def _guarded(wrapped, instance, args, kwargs):
     data = args[0] if args else kwargs.get("data")
     if data is not None:
-        if SUPPORT_KEY in data.keys():
+        if BATCH_SUPPORT_KEY in data.keys():
             check_engine(instance)
             if consumer(instance) is not None:
                 check_batch_rows(data)  # before verl's chunking, which crashes on rows of the wrong length

@@ -9,7 +9,7 @@ those two strategies only, and the FSDP engine never reads the batch's ``routed_
 Both patches are driven by the batch, as verl's own keys are:
 
 - ``verl.fsdp_support_logprobs`` wraps ``FSDPEngineWithLMHead.prepare_model_outputs``. When the
-  micro-batch carries :data:`SUPPORT_KEY` (``rollout_sample_support``: int ``[B, R, W]``, the
+  micro-batch carries :data:`BATCH_SUPPORT_KEY` (``rollout_sample_support``: int ``[B, R, W]``, the
   sampler's support of each response token, ``-1`` padding, response-aligned like
   ``rollout_log_probs`` / ``response_mask``; jagged ``[b, r_b, W]`` from the TransferQueue), the
   engine's ``log_probs`` are renormalised over each token's support
@@ -72,7 +72,7 @@ from .engine_batch import (
     uniform_temperature,
 )
 from .engine_batch import non_tensor as _non_tensor
-from .switch import SUPPORT_KEY
+from .switch import BATCH_SUPPORT_KEY
 
 #: modules of the engines the patches serve (VeOmni and others reuse the methods: refused)
 FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
@@ -211,7 +211,7 @@ def _prepare_model_outputs(wrapped, instance, args, kwargs):
     names = ("output", "output_args", "micro_batch", "logits_processor_func")
     bound = dict(zip(names, args, strict=False)) | kwargs
     micro_batch = bound["micro_batch"]
-    if SUPPORT_KEY not in micro_batch.keys() or _non_tensor(micro_batch, "distillation_only", False):
+    if BATCH_SUPPORT_KEY not in micro_batch.keys() or _non_tensor(micro_batch, "distillation_only", False):
         return wrapped(*args, **kwargs)
     _check_engine(instance, "sample-support replay")
     if _non_tensor(micro_batch, "use_fused_kernels", False):

@@ -12,7 +12,7 @@ How: ``forward_step`` hands verl's forward function (``gptmodel_forward_model_en
 (``label``, ``temperature``), and the forward function lays every argument out as it lays out the
 model's input: packed THD (each sequence aligned to TP x CP, zigzag context-parallel shards, FP8
 and bucket padding) or padded BSHD, the label rolled by one. When a micro-batch carries
-:data:`SUPPORT_KEY` (``rollout_sample_support``: int ``[B, R, W]`` response-aligned, ``-1``
+:data:`BATCH_SUPPORT_KEY` (``rollout_sample_support``: int ``[B, R, W]`` response-aligned, ``-1``
 padding; jagged ``[b, r_b, W]`` from the TransferQueue), the patch adds three arguments of its own,
 one row per token of ``input_ids`` and already shifted to the label's position (position ``p``
 holds what scoring token ``p + 1`` needs): the support row plus one (verl pads the layout with
@@ -52,7 +52,7 @@ from .engine_batch import (
     response_support,
     uniform_temperature,
 )
-from .switch import SUPPORT_KEY
+from .switch import BATCH_SUPPORT_KEY
 
 #: the logits-processor arguments the patch adds (verl lays each out like ``label``, unrolled)
 SUPPORT_ARG = "replay_plugin_support"  # int32 [.., W]: support row + 1, 0 = none
@@ -85,7 +85,7 @@ class _Batches:
 
     def __next__(self) -> Any:
         batch = next(self.source)
-        if SUPPORT_KEY not in batch.keys() or non_tensor(batch, "distillation_only", False):
+        if BATCH_SUPPORT_KEY not in batch.keys() or non_tensor(batch, "distillation_only", False):
             return batch
         _check_engine(self.engine, batch)
         from verl.utils import tensordict_utils as tu
@@ -219,7 +219,7 @@ def _forward_step(wrapped, instance, args, kwargs):
 
         raise NotReplayable(
             "verl.megatron_support_logprobs",
-            f"a micro-batch carrying {SUPPORT_KEY} was not scored through the logits processor of verl's forward "
+            f"a micro-batch carrying {BATCH_SUPPORT_KEY} was not scored through the logits processor of verl's forward "
             "function (verl's Megatron forward path differs from the one the patch supports: check "
             "`replay-plugin matrix --check`); refusing to return full-vocabulary log-probs",
         )

@@ -140,7 +140,8 @@ def _check_capture() -> None:
             f"{switch.PREFIX}{switch.SWITCH}=true but the plugin's vLLM capture cannot run here: "
             + "; ".join(f"patch {n} {w}" for n, w in off)
             + ". Run a vLLM in the capture patches' range (`replay-plugin matrix`; verl 0.9.1 runs on vLLM 0.30, "
-            'README "verl") with their REPLAY_PLUGIN_VLLM_* toggles unset, or drop the switch',
+            "docs/integrations/verl.md#vllm-versions-and-limits) with their REPLAY_PLUGIN_VLLM_* toggles unset, "
+            "or drop the switch",
             value=why,
         )
 
@@ -166,7 +167,7 @@ async def _generate(wrapped, instance, args, kwargs):
         return result
     rows = rows_of(request.output, list(result.token_ids))
     if rows is not None:
-        result.extra_fields[switch.SUPPORT_KEY] = rows
+        result.extra_fields[switch.BATCH_SUPPORT_KEY] = rows
     return result
 
 
@@ -184,25 +185,27 @@ def rows_of(output: Any, token_ids: Any) -> np.ndarray | None:
     from ..vllm.client import ReplayDataMissing, support_for
     from .turns import token_ids as checked_ids
 
-    ids = checked_ids(token_ids, switch.SUPPORT_KEY)
+    ids = checked_ids(token_ids, switch.BATCH_SUPPORT_KEY)
     completion = output.outputs[0] if getattr(output, "outputs", None) else None
     if completion is None:
         if ids.size:
-            raise ReplayDataError(switch.SUPPORT_KEY, "the engine returned no completion", expected="one")
+            raise ReplayDataError(switch.BATCH_SUPPORT_KEY, "the engine returned no completion", expected="one")
         return None
     try:
-        rows = support_for(completion, ids, switch.SUPPORT_KEY)
+        rows = support_for(completion, ids, switch.BATCH_SUPPORT_KEY)
     except ReplayDataMissing as exc:
-        if exc.field == switch.SUPPORT_KEY:
+        if exc.field == switch.BATCH_SUPPORT_KEY:
             raise
         # the vLLM client names its own attribute (``sample_support``); verl's users know the field
         problem = str(exc).partition(": ")[2] or str(exc)
-        raise ReplayDataMissing(switch.SUPPORT_KEY, problem, expected="rows from the plugin's vLLM capture") from None
+        raise ReplayDataMissing(
+            switch.BATCH_SUPPORT_KEY, problem, expected="rows from the plugin's vLLM capture"
+        ) from None
     inexact = np.flatnonzero(~rows.exact)
     if inexact.size:
         tok = int(inexact[0])
         raise ReplayDataError(
-            switch.SUPPORT_KEY,
+            switch.BATCH_SUPPORT_KEY,
             f"{inexact.size} of {len(rows)} rows are not the sampler's exact support (token {tok}: more tokens tie "
             f"at the top_k-th logit than the {rows.width} ids of a row hold, or the row lacks the sampled token)",
             token=tok,

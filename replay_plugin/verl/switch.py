@@ -28,7 +28,7 @@ SWITCH = "replay_sample_support"
 SLACK = "replay_sample_support_slack"
 PREFIX = "actor_rollout_ref.rollout.custom."
 #: the row field of a rollout sample / batch (the agent loop writes it, the FSDP engine reads it)
-SUPPORT_KEY = "rollout_sample_support"
+BATCH_SUPPORT_KEY = "rollout_sample_support"
 PROCESSED = "processed_logprobs"
 
 

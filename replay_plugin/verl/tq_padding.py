@@ -19,22 +19,22 @@ are untouched.
 from __future__ import annotations
 
 from ..patcher import Patcher
-from .switch import SUPPORT_KEY
+from .switch import BATCH_SUPPORT_KEY
 
 
 def _template(wrapped, instance, args, kwargs):
     sample, tag = wrapped(*args, **kwargs)
-    rows = sample.get(SUPPORT_KEY) if isinstance(sample, dict) else None
+    rows = sample.get(BATCH_SUPPORT_KEY) if isinstance(sample, dict) else None
     if rows is not None:
         import numpy as np
         import torch
 
         length = len(sample["responses"])
         if isinstance(rows, torch.Tensor):
-            sample[SUPPORT_KEY] = rows.new_full((length, *rows.shape[1:]), -1)
+            sample[BATCH_SUPPORT_KEY] = rows.new_full((length, *rows.shape[1:]), -1)
         else:
             rows = np.asarray(rows)
-            sample[SUPPORT_KEY] = np.full((length, *rows.shape[1:]), -1, dtype=rows.dtype)
+            sample[BATCH_SUPPORT_KEY] = np.full((length, *rows.shape[1:]), -1, dtype=rows.dtype)
     return sample, tag
 
 

@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..core.errors import ReplayDataError, ReplayTypeError
+from .switch import BATCH_SUPPORT_KEY
 
 PAD = -1
-FIELD = "rollout_sample_support"
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -97,13 +97,13 @@ def turn(ids: Sequence[int], rows: Any) -> Turn:
             rows = np.asarray(rows)
         except ValueError as exc:  # ragged rows (numpy refuses an inhomogeneous list)
             raise ReplayDataError(
-                FIELD,
+                BATCH_SUPPORT_KEY,
                 f"rows for {tokens.size} generated tokens that are not one array ({exc})",
                 expected="int [T, W], one row per generated token",
             ) from None
         if rows.ndim != 2 or rows.shape[0] != tokens.shape[0] or rows.dtype.kind not in "iu":
             raise ReplayDataError(
-                FIELD,
+                BATCH_SUPPORT_KEY,
                 f"rows of shape {rows.shape} / dtype {rows.dtype} for {tokens.shape[0]} generated tokens",
                 expected="int [T, W], one row per generated token",
             )
@@ -112,7 +112,7 @@ def turn(ids: Sequence[int], rows: Any) -> Turn:
             if bad.size:
                 t = int(bad[0])
                 raise ReplayDataError(
-                    FIELD,
+                    BATCH_SUPPORT_KEY,
                     f"the row of generated token {t} holds {rows[t].tolist()[:8]}: ids outside [-1, 2**31) that the "
                     "int32 field would wrap into other ids",
                     token=t,
@@ -154,7 +154,7 @@ def align(
         while p < end:
             if j >= len(live):
                 raise ReplayDataError(
-                    FIELD,
+                    BATCH_SUPPORT_KEY,
                     f"response token {p} is model-generated (response_mask 1) but the trajectory's {len(live)} "
                     "generate calls returned no token for it",
                     trajectory=trajectory,
@@ -167,7 +167,7 @@ def align(
             if not np.array_equal(got, want):
                 k = int(np.flatnonzero(got != want)[0])
                 raise ReplayDataError(
-                    FIELD,
+                    BATCH_SUPPORT_KEY,
                     f"response token {p + k} is id {int(got[k])}, generate call {j} returned id {int(want[k])} there",
                     trajectory=trajectory,
                     token=p + k,

@@ -34,7 +34,8 @@ from ..core.routes import ROUTE_DTYPES
 from ..core.support import SupportRows
 from ..core.wire import decode_array
 
-#: The ``CompletionOutput`` attribute and the served choice key of the support rows.
+#: The ``CompletionOutput`` attribute and the served choice key of the support rows (and of the routes):
+#: defined here only; the capture and the served fields import them.
 SUPPORT_FIELD = "sample_support"
 ROUTES_FIELD = "routed_experts"
 #: The ``CompletionOutput`` attribute with the reason the engine core refused the request.

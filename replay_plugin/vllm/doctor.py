@@ -50,7 +50,7 @@ def _read_knobs(environ: Mapping[str, str]) -> tuple[dict | None, list[Finding]]
             "routes": options.routes_mode(environ),
         }
     except options.OptionError as exc:
-        return None, [(str(exc), f"set {exc.key} to a valid value or unset it (README)")]
+        return None, [(str(exc), f"set {exc.key} to a valid value or unset it (docs/reference/environment.md)")]
     return knobs, []
 
 

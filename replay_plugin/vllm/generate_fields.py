@@ -45,13 +45,12 @@ from ..core.routes import compact
 from ..core.wire import encode_array
 from ..patcher import Patcher
 from . import options
+from .client import ROUTES_FIELD, SUPPORT_FIELD
 from .openai_fields import _rebuild, _replay_model
 from .refusal import refusal
 from .sample_support_capture import sample_support
 from .served_stream import (
     MASK_FIELD,
-    ROUTES_FIELD,
-    SUPPORT_FIELD,
     StreamReplay,
     encode_support,
     get_arg,

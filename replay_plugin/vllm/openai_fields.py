@@ -39,15 +39,12 @@ from ..core.routes import compact
 from ..core.wire import encode_array
 from ..patcher import Patcher
 from . import options
+from .client import ROUTES_FIELD, SUPPORT_FIELD
 from .refusal import refusal
 from .sample_support_capture import sample_support
 from .served_stream import StreamReplay, encode_support, get_arg, replace_arg
 
 log = logging.getLogger("replay_plugin")
-
-
-SUPPORT_FIELD = "sample_support"
-ROUTES_FIELD = "routed_experts"
 
 
 def _request_wants_routes(request: Any) -> bool:

@@ -55,7 +55,7 @@ from ..settings import SettingError, parse_bool
 from ..spec import Knob
 
 #: ``extra_args`` keys a request opts in with.
-SUPPORT_KEY = "replay_sample_support"
+REQUEST_SUPPORT_KEY = "replay_sample_support"
 SLACK_KEY = "replay_sample_support_slack"
 ROUTES_KEY = "replay_routed_experts"
 #: ``extra_args`` key under which the plugin passes a request's capture plan from the input
@@ -244,7 +244,7 @@ def check_request_keys(extra_args: Mapping[str, Any] | None) -> None:
     for key in extra_args:
         if isinstance(key, str) and key.startswith(INTERNAL_PREFIX):
             raise OptionError(key, "is an internal key of replay_plugin; requests cannot set it")
-    for key in (SUPPORT_KEY, ROUTES_KEY):
+    for key in (REQUEST_SUPPORT_KEY, ROUTES_KEY):
         if key in extra_args:
             flag(extra_args[key], key)
     if SLACK_KEY in extra_args:
@@ -253,8 +253,8 @@ def check_request_keys(extra_args: Mapping[str, Any] | None) -> None:
 
 def wants_support(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> bool:
     """Does this request capture its sampler support? Its own key wins over the job mode."""
-    if extra_args and SUPPORT_KEY in extra_args:
-        return flag(extra_args[SUPPORT_KEY], SUPPORT_KEY)
+    if extra_args and REQUEST_SUPPORT_KEY in extra_args:
+        return flag(extra_args[REQUEST_SUPPORT_KEY], REQUEST_SUPPORT_KEY)
     return job_mode(environ) == "all"
 
 
@@ -276,8 +276,8 @@ def wants_routes(extra_args: Mapping[str, Any] | None, environ: Mapping[str, str
             return flag(extra_args[ROUTES_KEY], ROUTES_KEY)
         if PLAN_KEY in extra_args:
             return True
-        if SUPPORT_KEY in extra_args:
-            return flag(extra_args[SUPPORT_KEY], SUPPORT_KEY) or routes_mode(environ) == "all"
+        if REQUEST_SUPPORT_KEY in extra_args:
+            return flag(extra_args[REQUEST_SUPPORT_KEY], REQUEST_SUPPORT_KEY) or routes_mode(environ) == "all"
     return routes_mode(environ) == "all" or job_mode(environ) == "all"
 
 

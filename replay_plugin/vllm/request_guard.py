@@ -117,7 +117,7 @@ def check_request(params: Any, vllm_config: Any = None) -> None:
         return
     problems = missing_patches(support, routes)
     if problems:
-        key = options.SUPPORT_KEY if support else options.ROUTES_KEY
+        key = options.REQUEST_SUPPORT_KEY if support else options.ROUTES_KEY
         raise refusal(
             f"replay_plugin: the request asks for replay data ({key!r} or the job's "
             f"{options.REQUESTS_ENV}) but this vLLM process cannot capture it: " + "; ".join(problems),

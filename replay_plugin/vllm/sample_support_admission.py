@@ -116,7 +116,7 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
     except options.OptionError as exc:
         raise refusal(f"replay_plugin: {exc}", exc.key) from None
     model_config = getattr(vllm_config, "model_config", None)
-    where = f"request opted into sample-support capture ({options.SUPPORT_KEY!r} or {options.REQUESTS_ENV}=all)"
+    where = f"request opted into sample-support capture ({options.REQUEST_SUPPORT_KEY!r} or {options.REQUESTS_ENV}=all)"
     # vLLM 0.30/0.32 ``Sampler.forward``: when any request of a step sets logprob_token_ids, the
     # step's logprob rows of *every* request are the listed-id rows ("prefer
     # logprob_token_ids"); a request of our own cannot be captured then. Other requests' ids

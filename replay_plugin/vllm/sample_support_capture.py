@@ -28,13 +28,12 @@ from ..core.support import (
     support_from_sampling_mask,
 )
 from . import options
+from .client import SUPPORT_FIELD as OUTPUT_ATTR  # the CompletionOutput attribute of the rows
 from .refusal import engine_refusal, refusal
 
 log = logging.getLogger("replay_plugin")
 
 
-#: The ``CompletionOutput`` attribute that carries the rows.
-OUTPUT_ATTR = "sample_support"
 #: The ``CompletionOutput`` attribute with the reason the engine core refused the request.
 REFUSED_ATTR = "_replay_plugin_refused"
 _CAPTURE_ATTR = "_replay_plugin_capture"

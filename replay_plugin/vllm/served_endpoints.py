@@ -54,10 +54,10 @@ def _wants_replay(xargs: Any) -> bool:
 
 def _refuse(endpoint: str) -> None:
     raise refusal(
-        f"replay_plugin: the request asks for replay data ({options.SUPPORT_KEY!r}, "
+        f"replay_plugin: the request asks for replay data ({options.REQUEST_SUPPORT_KEY!r}, "
         f"{options.ROUTES_KEY!r} or the job's {options.REQUESTS_ENV}=all) but {endpoint} cannot "
-        f"return it; {_USE}, or send {options.SUPPORT_KEY!r}: false",
-        options.SUPPORT_KEY,
+        f"return it; {_USE}, or send {options.REQUEST_SUPPORT_KEY!r}: false",
+        options.REQUEST_SUPPORT_KEY,
     )
 
 
@@ -124,11 +124,11 @@ def _generate(wrapped, instance, args, kwargs):
         problems = patch_problems(["vllm.generate_fields"])
         if problems:
             raise refusal(
-                f"replay_plugin: the request asks for replay data ({options.SUPPORT_KEY!r}, "
+                f"replay_plugin: the request asks for replay data ({options.REQUEST_SUPPORT_KEY!r}, "
                 f"{options.ROUTES_KEY!r} or the job's {options.REQUESTS_ENV}=all) but /inference/v1/generate "
                 f"cannot return it in this server: {'; '.join(problems)}; or use /v1/completions or "
                 "/v1/chat/completions, which return it",
-                options.SUPPORT_KEY,
+                options.REQUEST_SUPPORT_KEY,
             )
     return wrapped(*args, **kwargs)
 

@@ -26,12 +26,11 @@ import orjson
 from ..core.routes import compact
 from ..core.support import SupportRows
 from ..core.wire import encode_array
+from .client import ROUTES_FIELD, SUPPORT_FIELD
 from .sample_support_capture import sample_support
 
 log = logging.getLogger("replay_plugin")
 
-SUPPORT_FIELD = "sample_support"
-ROUTES_FIELD = "routed_experts"
 MASK_FIELD = "sampling_mask"
 _DATA = "data: "
 _END = "\n\n"

@@ -14,7 +14,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, need, run_python
+from support import ROOT
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(900)
 

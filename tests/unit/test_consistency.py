@@ -1,6 +1,7 @@
 """compat_matrix.yaml, the patch registry, pyproject extras, the .pth line, the README and the
 generated docs pages agree."""
 
+import glob
 import importlib
 import os
 import re
@@ -167,3 +168,23 @@ def test_readme_links_into_docs_resolve():
             with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
                 slugs = {_slug(line.lstrip("#")) for line in fh if line.startswith("#")}
             assert anchor in slugs, f"README links to {link}: {path} has no such heading"
+
+
+def test_messages_pointing_into_docs_resolve():
+    """Messages and docstrings of the package that name a page of docs/ (``docs/PAGE.md`` or
+    ``docs/PAGE.md#anchor``, as doctor findings and refusals do) name a file that exists and, with an
+    anchor, a heading there."""
+    refs = set()
+    for path in glob.glob(os.path.join(ROOT, "replay_plugin", "**", "*.py"), recursive=True):
+        with open(path, encoding="utf-8") as fh:
+            refs |= {
+                (os.path.relpath(path, ROOT), ref) for ref in re.findall(r"docs/[\w./-]+\.md(?:#[\w-]+)?", fh.read())
+            }
+    assert any("#" in ref for _, ref in refs)
+    for source, ref in sorted(refs):
+        page, _, anchor = ref.partition("#")
+        assert os.path.isfile(os.path.join(ROOT, page)), f"{source} names {ref}: no such file"
+        if anchor:
+            with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
+                slugs = {_slug(line.lstrip("#")) for line in fh if line.startswith("#")}
+            assert anchor in slugs, f"{source} names {ref}: {page} has no such heading"

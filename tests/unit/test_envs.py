@@ -689,7 +689,7 @@ def test_no_variables_or_shims_of_another_environment():
     "tests/empty/test_collects_nothing.py": "def helper():  # not a test\n    return 1\n",
     "tests/both/test_needs_and_skips.py": f"""
 import pytest
-from conftest import need
+from support.upstream import need
 
 
 def test_plain():
@@ -701,7 +701,7 @@ def test_needs_then_skips():
     pytest.skip("skipped after need()")
 """,
     "tests/both/test_needs_and_passes.py": f"""
-from conftest import need
+from support.upstream import need
 
 
 def test_needs_and_passes():
@@ -723,6 +723,8 @@ def anti_skip_project(tmp_path, monkeypatch):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "tests" / "conftest.py")
+    for helper in ("__init__.py", "upstream.py", "procs.py"):  # what tests/conftest.py imports of support/
+        shutil.copy(os.path.join(ROOT, "tests", "support", helper), tmp_path / "tests" / "support" / helper)
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
@@ -818,9 +820,9 @@ def test_upstream_reports_are_summed_and_a_missing_report_fails(tmp_path):
 
 
 def test_conftest_pins_are_the_environments_pins():
-    """tests/conftest.py's ``pinned`` (what need_module() decides on) reads every environment's
+    """support.upstream's ``pinned`` (what need_module() decides on) reads every environment's
     pins as this module does, overlays included."""
-    from conftest import pinned
+    from support.upstream import pinned
 
     envs, locks, _ = _load()
     for env in envs:
@@ -834,7 +836,7 @@ def test_need_module_fails_where_the_environment_pins_the_distribution(monkeypat
     """``need_module`` is ``importorskip`` outside the environments that pin the distribution;
     where one does (main pins ray), an import that fails is an error, not a skip. A module that
     does not exist stands for a missing or broken install of the pinned distribution."""
-    from conftest import need_module
+    from support.upstream import need_module
 
     broken = "replay_tests_no_such_module"
     monkeypatch.setenv("REPLAY_TEST_ENV", "main")

@@ -6,13 +6,11 @@ from __future__ import annotations
 import glob
 import os
 import re
-import sys
 
 import pytest
+import readme_blocks  # tests/readme_blocks.py (tests/ is on sys.path: support/__init__.py)
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, TESTS)
-import readme_blocks  # noqa: E402
 
 RUN_CALL = re.compile(r"readme_blocks\.(?:run|source)\(\s*[\"']([a-z0-9-]+)[\"']")
 

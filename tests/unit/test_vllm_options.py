@@ -18,7 +18,7 @@ UNICODE_SPACES = ["\u00a03", "3\u2003", "\u30003"]
 @pytest.mark.parametrize("value", UNICODE_DIGITS + UNICODE_SPACES + ["++3", "+-3", "3.0", "0x3", "1_000", " ", ""])
 def test_slack_strings_other_than_ascii_digits_are_refused_naming_the_key(value):
     with pytest.raises(options.OptionError, match=options.SLACK_KEY) as info:
-        options.check_request_keys({options.SUPPORT_KEY: 1, options.SLACK_KEY: value})
+        options.check_request_keys({options.REQUEST_SUPPORT_KEY: 1, options.SLACK_KEY: value})
     assert info.value.key == options.SLACK_KEY
     with pytest.raises(options.OptionError, match=options.SLACK_KEY):
         options.request_slack({options.SLACK_KEY: value}, {})
@@ -50,7 +50,7 @@ def test_mode_knobs_keep_their_ascii_spellings():
     assert options.job_mode({options.REQUESTS_ENV: " ALL\n"}) == "all"
 
 
-@pytest.mark.parametrize("key", [options.SUPPORT_KEY, options.ROUTES_KEY])
+@pytest.mark.parametrize("key", [options.REQUEST_SUPPORT_KEY, options.ROUTES_KEY])
 @pytest.mark.parametrize("value", ["１", "ｔｒｕｅ", "true\u00a0", "on\u2003", "x" * 5000])
 def test_flags_refuse_non_ascii_spellings_naming_the_key(key, value):
     with pytest.raises(options.OptionError, match=key) as info:
@@ -60,4 +60,4 @@ def test_flags_refuse_non_ascii_spellings_naming_the_key(key, value):
 
 @pytest.mark.parametrize("value, expected", [("1", True), (" yes ", True), ("OFF", False), (0, False), (1.0, True)])
 def test_flags_keep_their_ascii_spellings(value, expected):
-    assert options.flag(value, options.SUPPORT_KEY) is expected
+    assert options.flag(value, options.REQUEST_SUPPORT_KEY) is expected

@@ -4,7 +4,8 @@ import json
 import os
 
 import pytest
-from conftest import need, plugin_installed_as_wheel, run_python
+from support.procs import plugin_installed_as_wheel, run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -8,7 +8,7 @@ import sys
 import sysconfig
 
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

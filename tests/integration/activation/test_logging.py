@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import need, run_python
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import yaml
-from conftest import need, run_python
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(900)
 

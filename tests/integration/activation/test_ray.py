@@ -9,7 +9,8 @@ import os
 import sys
 
 import pytest
-from conftest import need, need_module, run_python
+from support.procs import run_python
+from support.upstream import need, need_module
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -5,7 +5,7 @@ nothing in CI saw it."""
 
 import math
 
-from conftest import need
+from support.upstream import need
 
 
 def test_fsdp_benchmark_runs_on_the_current_entries():

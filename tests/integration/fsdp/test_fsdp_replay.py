@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import fsdp_harness
 import pytest
-from conftest import need, run_python
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -29,7 +29,7 @@ import os
 
 import fsdp_harness
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(400)
 

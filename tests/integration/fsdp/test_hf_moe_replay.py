@@ -19,7 +19,8 @@ import re
 
 import hf_moe_models as H
 import pytest
-from conftest import need, run_python
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,17 +11,12 @@ Ulysses):
 
 from __future__ import annotations
 
-import os
-import sys
-
 import hf_moe_models as H
 import pytest
+import readme_blocks  # tests/readme_blocks.py (tests/ is on sys.path: support/__init__.py)
 import test_fsdp_replay as F
-from conftest import need
+from support.upstream import need
 from test_hf_moe_replay import ExpertsSpy, _ids, _routers, random_routes
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import readme_blocks
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,8 @@ import json
 
 import fsdp_harness
 import pytest
-from conftest import need, run_python
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(400)
 

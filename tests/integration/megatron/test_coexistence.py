@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import harness
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(900)
 

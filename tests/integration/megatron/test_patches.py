@@ -12,8 +12,8 @@ import sys
 
 import harness
 import pytest
-from conftest import need
 from packaging.version import Version
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -172,7 +172,7 @@ def test_status_cli_reports_every_megatron_patch():
 
 
 def test_importing_the_driver_package_imports_neither_torch_nor_megatron():
-    from conftest import run_python
+    from support.procs import run_python
 
     proc = run_python(
         "import sys, replay_plugin.megatron as m\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import harness
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -179,7 +179,7 @@ def test_adding_a_patch_block_wraps_a_declared_target():
     import json
     import os
 
-    from conftest import run_python
+    from support.procs import run_python
 
     tests = os.path.dirname(os.path.dirname(harness.HERE))
     proc = run_python(

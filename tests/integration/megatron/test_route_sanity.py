@@ -17,7 +17,7 @@ import contextlib
 
 import harness
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

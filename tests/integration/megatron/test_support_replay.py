@@ -45,7 +45,7 @@ import contextlib
 
 import harness
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -1034,7 +1034,7 @@ def test_refusals():
 
 
 def test_package_import_stays_light():
-    from conftest import run_python
+    from support.procs import run_python
 
     proc = run_python(
         "import sys, replay_plugin.megatron as m\n"

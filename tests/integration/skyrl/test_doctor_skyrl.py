@@ -11,7 +11,7 @@ import os
 import shlex
 
 import pytest
-from conftest import need
+from support.upstream import need
 
 SUPPORT = "generator.inference_engine.enable_return_sample_support_set"
 ROUTES = "generator.inference_engine.enable_return_routed_experts"

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import replay_tests_conftest as _top
 import yaml
-from conftest import TOP_K, _free_port, need
+from support.procs import free_port, run_python
+from support.skyrl_servers import TOP_K
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -105,7 +106,7 @@ print("REPORT" + json.dumps(out))
 
 
 def job(env: dict, *args: str) -> dict:
-    proc = _top.run_python(JOB, env={"FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE", **env}, args=args)
+    proc = run_python(JOB, env={"FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE", **env}, args=args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT")][-1][6:])
     out["stderr"] = proc.stderr
@@ -175,7 +176,7 @@ def test_generator_refuses_when_the_engine_args_patch_did_not_check(tie_model):
     (max_logprobs = top_k, no check), and SkyRL's agent loop, through the generator patch, would
     take SkyRL's top_k rows; it refuses before the first request."""
     need("skyrl", "vllm")
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     out = job({TOGGLE: "0", "REPLAY_PLUGIN_SKYRL_ENGINE_SUPPORT_WIDTH": "0"}, tie_model, url)
     assert out["states"]["skyrl.generator_support_width"][0] == "applied"
     assert out["support"] == {"max_logprobs": out["stock"]}  # the gap the generator's check covers

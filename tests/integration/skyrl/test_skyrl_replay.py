@@ -12,7 +12,8 @@ import inspect
 
 import numpy as np
 import pytest
-from conftest import SLACK, TOKENS, TOP_K, need
+from support.skyrl_servers import SLACK, TOKENS, TOP_K
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(1500)
 
@@ -275,7 +276,7 @@ def test_skyrl_config_accepts_r3_on_fsdp():
     assert cfg().generator.inference_engine.enable_return_routed_experts  # the flag is restored
 
     # under python -O (asserts stripped) both still refuse
-    import replay_tests_conftest as top
+    from support.procs import run_python
 
     code = (
         "from skyrl.train.config.config import SkyRLTrainConfig\n"
@@ -292,7 +293,7 @@ def test_skyrl_config_accepts_r3_on_fsdp():
         "    except Exception as exc:\n"
         "        print('REFUSED', backend, replay, type(exc).__name__)\n"
     )
-    proc = top.run_python(code, env={"PYTHONOPTIMIZE": "1", "FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE"})
+    proc = run_python(code, env={"PYTHONOPTIMIZE": "1", "FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("ACCEPTED", "REFUSED"))]
     assert lines == ["REFUSED ray True NotReplayable", "REFUSED mp False NotReplayable"], proc.stdout[-2000:]

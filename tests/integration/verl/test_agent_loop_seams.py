@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import need
+from support.upstream import need
 
 
 def _output(prompt, response, mask):

@@ -11,7 +11,7 @@ import shlex
 import subprocess
 import sys
 
-from conftest import need
+from support.upstream import need
 
 SWITCH = "+actor_rollout_ref.rollout.custom.replay_sample_support=true"
 TOP_K = "actor_rollout_ref.rollout.top_k=20"

@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fsdp"))
 
 import fsdp_harness  # noqa: E402
-from conftest import need  # noqa: E402
+from support.upstream import need  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 

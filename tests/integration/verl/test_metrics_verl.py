@@ -9,7 +9,7 @@ the two share (14), in float32 and float64, on batches with empty rows (issue 32
 from __future__ import annotations
 
 import pytest
-from conftest import need
+from support.upstream import need
 
 #: The plugin's keys that are verl's (the other three, ratio_mean and log_ratio_abs_*, are the
 #: plugin's own: test_the_shared_keys_are_the_14_verl_returns checks the split against verl).

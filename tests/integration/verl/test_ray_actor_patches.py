@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 
 import wrapt
-from conftest import need
+from support.upstream import need
 
 from replay_plugin.patcher import PluginWrapper
 

@@ -27,18 +27,9 @@ import urllib.request
 from typing import Any
 
 import pytest
-
-# The top-level tests/conftest.py is shadowed by this file under the module name "conftest"
-# (pytest imports both by that name); it registers itself as "replay_tests_conftest" (the same
-# module object, so need() records go to its upstream report). Re-export its helpers so that
-# `from conftest import need` works in this directory's test modules.
-import replay_tests_conftest as _top
 from scenarios import MAX_LOGPROBS, MAX_MODEL_LEN, engine_kwargs
-
-need = _top.need
-run_python = _top.run_python
-plugin_installed_as_wheel = _top.plugin_installed_as_wheel
-ROOT = _top.ROOT
+from support.procs import plugin_installed_as_wheel, run_python
+from support.upstream import need
 
 ENGINE_START_TIMEOUT = 240
 #: A served engine is ready when it has answered a request, not when its port answers: on a

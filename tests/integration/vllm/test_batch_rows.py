@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(120)
 

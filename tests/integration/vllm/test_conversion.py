@@ -12,7 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import need
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import OfflineEngine, need, serve
+from conftest import OfflineEngine, serve
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

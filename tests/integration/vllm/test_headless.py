@@ -24,10 +24,10 @@ from conftest import (
     Server,
     _free_port,
     _stop,
-    need,
     server_env,
     wait_until_serving,
 )
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -19,7 +19,8 @@ import re
 
 import numpy as np
 import pytest
-from conftest import MAX_LOGPROBS, OfflineEngine, need, routes_supported
+from conftest import MAX_LOGPROBS, OfflineEngine, routes_supported
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import OfflineEngine, need, routes_supported, run_python
+from conftest import OfflineEngine, routes_supported
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,7 +16,9 @@ import json
 
 import numpy as np
 import pytest
-from conftest import OfflineEngine, need, routes_supported, run_python
+from conftest import OfflineEngine, routes_supported
+from support.procs import run_python
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

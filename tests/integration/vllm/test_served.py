@@ -15,7 +15,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import need, routes_supported
+from conftest import routes_supported
+from support.upstream import need
 
 pytestmark = pytest.mark.timeout(600)
 

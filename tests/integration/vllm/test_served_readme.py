@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import readme_blocks
-from conftest import need
+from support.upstream import need
 from test_served import server_model
 
 pytestmark = pytest.mark.timeout(300)

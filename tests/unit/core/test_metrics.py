@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
+import readme_blocks  # tests/readme_blocks.py (tests/ is on sys.path: support/__init__.py)
 import torch
 
 from replay_plugin.core import metrics as core_metrics
 from replay_plugin.core.errors import ReplayDataError, ReplayTypeError
 from replay_plugin.metrics import LOGPROB_KEYS, ROUTE_KEY, mismatch_metrics
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-import readme_blocks
 
 # --------------------------------------------------------------------------- reference
 
