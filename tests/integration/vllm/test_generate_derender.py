@@ -25,8 +25,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import OfflineEngine, serve
 from support.upstream import need
+from support.vllm_engines import OfflineEngine, serve
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,17 +17,10 @@ import sys
 import time
 
 import pytest
-from conftest import (
-    ENGINE_READY_TIMEOUT,
-    MAX_MODEL_LEN,
-    OfflineEngine,
-    Server,
-    _free_port,
-    _stop,
-    server_env,
-    wait_until_serving,
-)
+from scenarios import MAX_MODEL_LEN
+from support.procs import free_port as _free_port
 from support.upstream import need
+from support.vllm_engines import ENGINE_READY_TIMEOUT, OfflineEngine, Server, _stop, server_env, wait_until_serving
 
 pytestmark = pytest.mark.timeout(600)
 

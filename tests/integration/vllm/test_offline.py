@@ -19,8 +19,9 @@ import re
 
 import numpy as np
 import pytest
-from conftest import MAX_LOGPROBS, OfflineEngine, routes_supported
+from scenarios import MAX_LOGPROBS
 from support.upstream import need
+from support.vllm_engines import OfflineEngine, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import OfflineEngine, routes_supported
 from support.procs import run_python
 from support.upstream import need
+from support.vllm_engines import OfflineEngine, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,9 +16,9 @@ import json
 
 import numpy as np
 import pytest
-from conftest import OfflineEngine, routes_supported
 from support.procs import run_python
 from support.upstream import need
+from support.vllm_engines import OfflineEngine, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -20,9 +20,9 @@ import os
 
 import numpy as np
 import pytest
-from conftest import OfflineEngine
 from scenarios import OPT_IN, PROMPTS, engine_kwargs
 from support.upstream import need
+from support.vllm_engines import OfflineEngine
 from test_offline import stock_vllm
 
 pytestmark = pytest.mark.timeout(900)

@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import routes_supported
 from support.upstream import need
+from support.vllm_engines import routes_supported
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -15,8 +15,8 @@ import json
 import os
 
 import pytest
-from conftest import OfflineEngine, serve
 from support.upstream import need
+from support.vllm_engines import OfflineEngine, serve
 from test_served import XARGS, _completion, _generate_body
 
 pytestmark = pytest.mark.timeout(600)

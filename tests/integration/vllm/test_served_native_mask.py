@@ -20,8 +20,8 @@ import os
 
 import numpy as np
 import pytest
-from conftest import OfflineEngine, serve
 from support.upstream import need
+from support.vllm_engines import OfflineEngine, serve
 from test_served import XARGS, _chunk_rows, _completion, _generate_body, _same_rows, server_model
 
 pytestmark = pytest.mark.timeout(900)
