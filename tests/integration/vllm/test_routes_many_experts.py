@@ -16,7 +16,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import OfflineEngine, need, routes_supported, run_python
+from conftest import NO_ROUTES_ON_CPU, OfflineEngine, need, routes_supported, run_python
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -87,7 +87,7 @@ if __name__ == "__main__":
 def many_experts_model() -> str:
     need("vllm")
     if not routes_supported():
-        pytest.skip("vLLM >= 0.31 returns routed experts only on Model Runner V2 (GPU); tested on 0.30")
+        pytest.skip(NO_ROUTES_ON_CPU)
     from replay_plugin.demo.tiny_model import TinyMoEConfig, build_tiny_moe
 
     return build_tiny_moe(config=TinyMoEConfig(num_experts=NUM_EXPERTS, top_k=TOP_K, num_layers=NUM_LAYERS))
