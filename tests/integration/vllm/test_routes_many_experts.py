@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from support.procs import run_python
 from support.upstream import need
-from support.vllm_engines import OfflineEngine, routes_supported
+from support.vllm_engines import NO_ROUTES_ON_CPU, OfflineEngine, routes_supported
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -89,7 +89,7 @@ if __name__ == "__main__":
 def many_experts_model() -> str:
     need("vllm")
     if not routes_supported():
-        pytest.skip("vLLM >= 0.31 returns routed experts only on Model Runner V2 (GPU); tested on 0.30")
+        pytest.skip(NO_ROUTES_ON_CPU)
     from replay_plugin.demo.tiny_model import TinyMoEConfig, build_tiny_moe
 
     return build_tiny_moe(config=TinyMoEConfig(num_experts=NUM_EXPERTS, top_k=TOP_K, num_layers=NUM_LAYERS))

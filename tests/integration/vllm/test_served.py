@@ -105,10 +105,13 @@ def _assert_no_routes(choice):
 
 def test_routes_on_this_vllm_and_cpu(server):
     """What routes a request gets here, asked for alone (``replay_routed_experts``): on vLLM
-    0.30 the compact envelope; on 0.31+ vLLM cannot return routes on CPU (its configuration
-    refuses ``enable_return_routed_experts`` without Model Runner V2, which needs a GPU), so the
-    server runs without them and a request that asks for routes by itself is refused (HTTP 400
-    naming the setting; stock vLLM would serve it with ``routed_experts`` null)."""
+    0.30 the compact envelope; on 0.28/0.29 and 0.31+ vLLM cannot return routes on CPU (0.31+:
+    its configuration refuses ``enable_return_routed_experts`` without Model Runner V2, which
+    needs a GPU; 0.28/0.29: the engine stops at start), so the server runs without them and a
+    request that asks for routes by itself is refused (HTTP 400 naming the setting; stock vLLM
+    would serve it with ``routed_experts`` null)."""
+    import vllm
+    from packaging.version import Version
     from vllm.engine.arg_utils import EngineArgs
 
     from replay_plugin.vllm.client import decode_choice
@@ -123,6 +126,20 @@ def test_routes_on_this_vllm_and_cpu(server):
         return
     assert code == 400 and "enable_return_routed_experts=True" in json.dumps(doc), doc
     args = EngineArgs(model=server_model(server), dtype="float32", enable_return_routed_experts=True)
+    if Version(vllm.__version__).release < (0, 30):
+        # vLLM 0.28/0.29 accept the setting in the configuration, and the engine stops at start on
+        # CPU: the CPU MoE kernel (CPUUnquantizedExperts) is monolithic without routing-replay
+        # capture, which bind_routed_experts_capturer refuses ("Routed-experts capture is not
+        # supported with monolithic MoE kernel CPUUnquantizedExperts"; 0.30's kernel is modular:
+        # the router path). That check's premise, without starting a second engine:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExpertsMonolithic
+
+        args.create_engine_config()
+        assert issubclass(CPUUnquantizedExperts, FusedMoEExpertsMonolithic)
+        base = FusedMoEExpertsMonolithic.supports_routing_replay_capture
+        assert CPUUnquantizedExperts.supports_routing_replay_capture is base  # False: not overridden
+        return
     with pytest.raises(ValueError, match="requires Model Runner V2"):
         args.create_engine_config()
 
