@@ -5,7 +5,8 @@ Gap (skyrl 0.4.0, ``inference_servers/utils.py:build_vllm_cli_args``): with
 ``max_logprobs = top_k``, the width of its own rows. The plugin's rows are ``W = top_k + slack``
 wide (``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_SLACK``, default 16: room for ties at the k-th logit),
 and the plugin refuses a request whose width the engine does not allow. The wrapper raises
-``max_logprobs`` to ``W`` (never lowers it); ``logprobs_mode="processed_logprobs"`` stays SkyRL's.
+``max_logprobs`` to ``W`` (never lowers it, ``-1``, no limit, included:
+``vllm.engine_proxy.fitted_max_logprobs``); ``logprobs_mode="processed_logprobs"`` stays SkyRL's.
 A request's own logprobs are unchanged: ``max_logprobs`` is a cap.
 
 Before SkyRL builds the arguments of a job that asks for sample support, the wrapper refuses it
@@ -21,6 +22,7 @@ import logging
 from typing import Any
 
 from ..patcher import Patcher
+from ..vllm.engine_proxy import fitted_max_logprobs
 
 log = logging.getLogger("replay_plugin")
 
@@ -44,8 +46,8 @@ def _build_vllm_cli_args(wrapped, instance, args, kwargs):
     namespace = wrapped(*args, **kwargs)
     width = support_width(cfg)
     if width is not None:
-        current = getattr(namespace, "max_logprobs", None) or 0
-        if current < width:
+        current = getattr(namespace, "max_logprobs", None)
+        if fitted_max_logprobs(current, width) is not None:
             log.info(
                 "replay_plugin: skyrl.engine_support_width: max_logprobs %s -> %d (top_k %d + slack)",
                 current,

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..patcher import Patcher
+from ..vllm.engine_proxy import OutputKeepingEngine, OutputSlot
 from .capture_guard import on_inexact
 from .patches import ON_INEXACT_ENV
 
@@ -53,49 +54,32 @@ log = logging.getLogger("replay_plugin")
 PATH = "/skyrl/v1/generate"
 
 
-class _Request:
-    """One ``/skyrl/v1/generate`` request that asked for support: its engine output, once there."""
-
-    __slots__ = ("output",)
-
-    def __init__(self) -> None:
-        self.output: Any = None
-
-
 #: Whether the patch is applied. The route and the engine stand-in outlive a revert (a running
 #: server keeps its routes); cleared, they pass every request to SkyRL unchanged.
 _ACTIVE = False
 
 #: The request being served in this task (set by the route, read by the engine stand-in and by
 #: the row builder, which SkyRL calls in the same task).
-_CURRENT: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("replay_plugin_skyrl_request", default=None)
+_CURRENT: contextvars.ContextVar[OutputSlot | None] = contextvars.ContextVar(
+    "replay_plugin_skyrl_request", default=None
+)
 
 
 # --------------------------------------------------------------------------- the engine stand-in
 
 
-class _CapturingEngine:
-    """The engine SkyRL's endpoints get: the real one, except that ``generate`` opts a marked
-    request into the plugin's capture and keeps its last output."""
+def _active() -> bool:
+    return _ACTIVE
 
-    def __init__(self, engine: Any) -> None:
-        self._replay_plugin_engine = engine
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._replay_plugin_engine, name)
+def _opt_in(sampling_params: Any) -> bool:
+    """A request the route marked: opted into the plugin's capture (its output kept)."""
+    from ..vllm import options
 
-    async def generate(self, prompt: Any, sampling_params: Any, *args: Any, **kwargs: Any):
-        current = _CURRENT.get() if _ACTIVE else None
-        if current is not None:
-            from ..vllm import options
-
-            extra = dict(getattr(sampling_params, "extra_args", None) or {})
-            extra[options.REQUEST_SUPPORT_KEY] = True
-            sampling_params.extra_args = extra
-        async for output in self._replay_plugin_engine.generate(prompt, sampling_params, *args, **kwargs):
-            if current is not None:
-                current.output = output
-            yield output
+    extra = dict(getattr(sampling_params, "extra_args", None) or {})
+    extra[options.REQUEST_SUPPORT_KEY] = True
+    sampling_params.extra_args = extra
+    return True
 
 
 # --------------------------------------------------------------------------- the route
@@ -103,7 +87,7 @@ class _CapturingEngine:
 
 def _mark_support_requests(endpoint: Any) -> Any:
     """SkyRL's endpoint function, wrapped: a request whose body asks ``return_sample_support``
-    runs with a fresh :class:`_Request` in :data:`_CURRENT`; the plugin's refusals become HTTP
+    runs with a fresh ``OutputSlot`` in :data:`_CURRENT`; the plugin's refusals become HTTP
     errors with their message (SkyRL's endpoint has no handler for them: a bare 500). A bad
     ``ON_INEXACT`` value refuses such a request before the engine runs."""
     from fastapi import HTTPException, Request
@@ -121,7 +105,7 @@ def _mark_support_requests(endpoint: Any) -> Any:
             on_inexact()
         except NotReplayable as exc:  # the server's configuration, not the request's fault
             raise HTTPException(status_code=500, detail=f"replay_plugin: {exc}") from exc
-        token = _CURRENT.set(_Request())
+        token = _CURRENT.set(OutputSlot())
         try:
             return await endpoint(request)
         except SampleSupportRefused as exc:
@@ -149,7 +133,7 @@ def _rewrap_route(app: Any) -> None:
 def _add_custom_endpoints(wrapped, instance, args, kwargs):
     # (app, engine, cli_args), positional or by name, as SkyRL's staticmethod takes them
     params = dict(zip(("app", "engine", "cli_args"), args), **kwargs)
-    params["engine"] = _CapturingEngine(params["engine"])
+    params["engine"] = OutputKeepingEngine(params["engine"], _CURRENT, _active, _opt_in)
     result = wrapped(**params)
     _rewrap_route(params["app"])
     return result

@@ -37,42 +37,24 @@ from typing import Any
 import numpy as np
 
 from ..patcher import Patcher
+from ..vllm.engine_proxy import OutputKeepingEngine, OutputSlot, fitted_max_logprobs
 from . import switch
 
 log = logging.getLogger("replay_plugin")
 
 #: the request being answered in this task (set by ``generate``, filled by the engine stand-in)
-_CURRENT: contextvars.ContextVar[_Request | None] = contextvars.ContextVar("replay_plugin_verl_request", default=None)
+_CURRENT: contextvars.ContextVar[OutputSlot | None] = contextvars.ContextVar("replay_plugin_verl_request", default=None)
 _ACTIVE = False
 
 
-class _Request:
-    __slots__ = ("output",)
-
-    def __init__(self) -> None:
-        self.output: Any = None
+def _active() -> bool:
+    return _ACTIVE
 
 
-class _CapturingEngine:
-    """verl's ``AsyncLLM``, except that ``generate`` keeps the last output of an opted-in request."""
+def _opted_in(params: Any) -> bool:
+    from ..vllm import options
 
-    def __init__(self, engine: Any) -> None:
-        self._replay_plugin_engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._replay_plugin_engine, name)
-
-    async def generate(self, *args: Any, **kwargs: Any):
-        from ..vllm import options
-
-        current = _CURRENT.get() if _ACTIVE else None
-        params = kwargs.get("sampling_params", args[1] if len(args) > 1 else None)
-        if current is not None and not options.wants_support(getattr(params, "extra_args", None)):
-            current = None
-        async for output in self._replay_plugin_engine.generate(*args, **kwargs):
-            if current is not None:
-                current.output = output
-            yield output
+    return options.wants_support(getattr(params, "extra_args", None))
 
 
 def _on(instance: Any) -> bool:
@@ -90,7 +72,7 @@ def _preprocess_engine_kwargs(wrapped, instance, args, kwargs):
     vocabulary = getattr(getattr(instance.model_config, "hf_config", None), "vocab_size", None)
     width = switch.width(instance.config, vocabulary)
     current = engine_kwargs.get("max_logprobs")
-    if current is None or (int(current) != -1 and int(current) < width):
+    if fitted_max_logprobs(current, width) is not None:
         log.info(
             "replay_plugin: verl.rollout_support_server: max_logprobs %s -> %d (top_k %s + slack, the rows' width)",
             "default (20)" if current is None else current,
@@ -149,15 +131,15 @@ def _check_capture() -> None:
 async def _run_server(wrapped, instance, args, kwargs):
     result = await wrapped(*args, **kwargs)
     engine = getattr(instance, "engine", None)
-    if _on(instance) and engine is not None and not isinstance(engine, _CapturingEngine):
-        instance.engine = _CapturingEngine(engine)
+    if _on(instance) and engine is not None and not isinstance(engine, OutputKeepingEngine):
+        instance.engine = OutputKeepingEngine(engine, _CURRENT, _active, _opted_in)
     return result
 
 
 async def _generate(wrapped, instance, args, kwargs):
     if not _on(instance):
         return await wrapped(*args, **kwargs)
-    request = _Request()
+    request = OutputSlot()
     token = _CURRENT.set(request)
     try:
         result = await wrapped(*args, **kwargs)
