@@ -42,7 +42,7 @@ VERL_FIELDS = {"support_ids": BATCH_SUPPORT_KEY, "loss_mask": "loss_mask", "inpu
 MAX_ID = 2**31 - 1
 
 #: verl's batch field of the rollout's routed experts (``[b, j, L, K]`` jagged like input_ids)
-ROUTES_KEY = "routed_experts"
+BATCH_ROUTES_KEY = "routed_experts"
 
 log = logging.getLogger("replay_plugin")
 
@@ -413,7 +413,7 @@ def check_captured(
     if refuse:
         raise in_verl_terms(
             ReplayDataError(
-                ROUTES_KEY,
+                BATCH_ROUTES_KEY,
                 f"router_replay.mode=R3, but none of the {int(scoring[first].sum())} positions scoring this sequence's "
                 f"loss-bearing tokens has a captured route (all-zero rows mean not captured; such rows {fate}): R3 "
                 "would replay none of the rollout's routes for it. The rollout most likely returned no routes",

@@ -60,8 +60,8 @@ from typing import Any
 
 from ..patcher import Patcher
 from .engine_batch import (
+    BATCH_ROUTES_KEY,
     REPLAY_OFF,
-    ROUTES_KEY,
     batch_grid,
     check_captured,
     in_verl_terms,
@@ -250,9 +250,9 @@ def route_scope(engine: Any, micro_batch: Any) -> Any:
     _check_engine(engine, "routed-expert replay")
     ids, mask, indices, lengths = batch_grid(micro_batch["input_ids"])
     batch, seq = ids.shape
-    values = per_token_rows(micro_batch, ROUTES_KEY, indices, lengths)
+    values = per_token_rows(micro_batch, BATCH_ROUTES_KEY, indices, lengths)
     if values.dim() != 3:
-        raise ReplayDataError(ROUTES_KEY, f"rows of shape {tuple(values.shape[1:])}", expected="[L, K] per token")
+        raise ReplayDataError(BATCH_ROUTES_KEY, f"rows of shape {tuple(values.shape[1:])}", expected="[L, K] per token")
     values = values.to(ids.device)
     grid = values.new_zeros((batch * seq, *values.shape[1:]))
     grid.index_copy_(0, indices, values)
@@ -298,7 +298,7 @@ def _wants_routes(engine: Any, micro_batch: Any) -> bool:
         )
     if _non_tensor(micro_batch, "enable_routing_replay", True) is False:
         return False
-    if micro_batch.get(ROUTES_KEY, None) is None:
+    if micro_batch.get(BATCH_ROUTES_KEY, None) is None:
         raise NotReplayable(
             "router_replay.mode",
             "router_replay.mode=R3 but the batch has no routed_experts: set "

@@ -50,7 +50,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..patcher import Patcher
-from .engine_batch import ROUTES_KEY, batch_grid, check_captured, non_tensor, replay_mode, uncaptured_rows
+from .engine_batch import BATCH_ROUTES_KEY, batch_grid, check_captured, non_tensor, replay_mode, uncaptured_rows
 
 #: what verl's Megatron R3 does with a row without a captured route (measured: module docstring)
 UNCAPTURED_FATE = "are replayed by verl's R3 as the route [0, 0, ...], which sends the token to expert 0 alone"
@@ -93,9 +93,9 @@ def check_captured_routes(engine: Any, data: Any) -> tuple[int, int] | None:
     if replay_mode(engine) != "R3" or not non_tensor(data, "enable_routing_replay", False):
         return None
     keys = data.keys()
-    if ROUTES_KEY not in keys or "input_ids" not in keys:
+    if BATCH_ROUTES_KEY not in keys or "input_ids" not in keys:
         return None
-    routes, input_ids = data[ROUTES_KEY], data["input_ids"]
+    routes, input_ids = data[BATCH_ROUTES_KEY], data["input_ids"]
     jagged = [isinstance(t, torch.Tensor) and t.is_nested and t.layout == torch.jagged for t in (routes, input_ids)]
     if not all(jagged) or routes.dim() != 4:
         return None

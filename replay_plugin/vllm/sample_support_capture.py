@@ -28,14 +28,13 @@ from ..core.support import (
     support_from_sampling_mask,
 )
 from . import options
+from .client import REFUSED_FIELD as REFUSED_ATTR  # the attribute with the engine core's refusal
 from .client import SUPPORT_FIELD as OUTPUT_ATTR  # the CompletionOutput attribute of the rows
 from .refusal import engine_refusal, refusal
 
 log = logging.getLogger("replay_plugin")
 
 
-#: The ``CompletionOutput`` attribute with the reason the engine core refused the request.
-REFUSED_ATTR = "_replay_plugin_refused"
 _CAPTURE_ATTR = "_replay_plugin_capture"
 #: The front ends' ``sample_support_log.RowLog`` objects of this process (each adds itself).
 ROW_LOGS: weakref.WeakSet = weakref.WeakSet()
