@@ -56,15 +56,13 @@ class OutputKeepingEngine:
             yield output
 
 
-#: vLLM's ``max_logprobs`` when an engine's arguments leave it unset.
-VLLM_DEFAULT_MAX_LOGPROBS = 20
-
-
 def fitted_max_logprobs(current: Any, width: int) -> int | None:
     """The ``max_logprobs`` an engine needs to return rows ``width`` wide, or None when ``current``
-    already allows them: ``-1`` (no limit) or at least ``width``. Unset (None) is vLLM's default,
-    20; 0 allows none. Never lowers a value."""
-    value = VLLM_DEFAULT_MAX_LOGPROBS if current is None else int(current)
+    already allows them: ``-1`` (no limit) or at least ``width``. Unset (None) is set explicitly
+    (vLLM's default, 20 in 0.28-0.34, is not relied on); 0 allows none. Never lowers a value."""
+    if current is None:
+        return width
+    value = int(current)
     if value == -1 or value >= width:
         return None
     return width

@@ -15,8 +15,8 @@ from replay_plugin.vllm.engine_proxy import OutputKeepingEngine, OutputSlot, fit
 @pytest.mark.parametrize(
     ("current", "width", "fitted"),
     [
-        (None, 36, 36),  # unset: vLLM's default 20 < 36
-        (None, 20, None),  # the default allows 20
+        (None, 36, 36),  # unset: set explicitly
+        (None, 20, 20),  # even where vLLM's default (20) would do
         (-1, 36, None),  # no limit: never lowered (SkyRL's fitting lowered it to W before)
         ("-1", 36, None),
         (0, 36, 36),
