@@ -154,6 +154,12 @@ def _slug(heading: str) -> str:
     return re.sub(r"[-\s]+", "-", text)
 
 
+def _heading_slugs(page: str) -> set[str]:
+    """The anchors of the Markdown headings of ``page`` (relative to the checkout)."""
+    with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
+        return {_slug(line.lstrip("#")) for line in fh if line.startswith("#")}
+
+
 def test_readme_links_into_docs_resolve():
     """The README is not part of the docs site (whose strict build checks the pages' own links):
     every relative link it holds names a file that exists, and an anchor names a heading there."""
@@ -165,9 +171,7 @@ def test_readme_links_into_docs_resolve():
         path, _, anchor = link.partition("#")
         assert os.path.isfile(os.path.join(ROOT, path)), f"README links to {link}: no such file"
         if anchor:
-            with open(os.path.join(ROOT, path), encoding="utf-8") as fh:
-                slugs = {_slug(line.lstrip("#")) for line in fh if line.startswith("#")}
-            assert anchor in slugs, f"README links to {link}: {path} has no such heading"
+            assert anchor in _heading_slugs(path), f"README links to {link}: {path} has no such heading"
 
 
 def test_messages_pointing_into_docs_resolve():
@@ -185,6 +189,4 @@ def test_messages_pointing_into_docs_resolve():
         page, _, anchor = ref.partition("#")
         assert os.path.isfile(os.path.join(ROOT, page)), f"{source} names {ref}: no such file"
         if anchor:
-            with open(os.path.join(ROOT, page), encoding="utf-8") as fh:
-                slugs = {_slug(line.lstrip("#")) for line in fh if line.startswith("#")}
-            assert anchor in slugs, f"{source} names {ref}: {page} has no such heading"
+            assert anchor in _heading_slugs(page), f"{source} names {ref}: {page} has no such heading"
