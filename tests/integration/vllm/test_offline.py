@@ -73,8 +73,16 @@ def _flat_rows(flat):
 def _oracle(llm, **kw):
     """Full-width processed logprobs of the same requests: per output, per position
     ``{id: logprob}`` of every vocabulary id (no detokenisation: it would take seconds)."""
-    outs = _generate(llm, _params(logprobs=-1, flat_logprobs=True, detokenize=False, **kw))
-    return outs, [[dict(zip(i[1:].tolist(), lp[1:].tolist())) for i, lp in _flat_rows(o.logprobs)] for o in outs]
+    outs = _generate(llm, _oracle_params(**kw))
+    return outs, _positions(outs)
+
+
+def _oracle_params(**kw):
+    return _params(logprobs=-1, flat_logprobs=True, detokenize=False, **kw)
+
+
+def _positions(outs):
+    return [[dict(zip(i[1:].tolist(), lp[1:].tolist())) for i, lp in _flat_rows(o.logprobs)] for o in outs]
 
 
 def _support(position: dict) -> set:
@@ -185,20 +193,43 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_rows_equal_the_full_width_oracle(llm, setting):
+@pytest.fixture(scope="module")
+def full_width_runs(llm):
+    """The requests of every setting in one batch per run (stock, captured, full-width oracle):
+    three generate calls in all, not three per setting. Model Runner V2 under Triton's
+    interpreter pays per engine step, not per request (5 settings: ~110 s less per MRV2
+    environment). Per-request seeds make each request's draws independent of the batch."""
     from replay_plugin.vllm import support_of
     from replay_plugin.vllm.batch_rows import batch_stats
 
+    prompts = PROMPTS * len(SETTINGS)
     with stock_vllm():  # stock: the support is only recoverable at full width, per request
-        stock = _generate(llm, _params(extra_args=OPT_IN, **setting))
+        stock = _generate(llm, [p for s in SETTINGS for p in _params(extra_args=OPT_IN, **s)], prompts)
     assert all(support_of(o, required=False) is None for o in stock)
     unpacked = batch_stats()["unpacked"]
-    captured = _generate(llm, _params(extra_args=OPT_IN, **setting))
+    captured = _generate(llm, [p for s in SETTINGS for p in _params(extra_args=OPT_IN, **s)], prompts)
     # the engine core (its own process) sent each step's captured rows in one batch
     # (vllm.batch_rows); this front end gave every output its rows back
     unpacked = batch_stats()["unpacked"] - unpacked
-    oracle_outs, oracle = _oracle(llm, **setting)
+    oracle_outs = _generate(llm, [p for s in SETTINGS for p in _oracle_params(**s)], prompts)
+    n = len(PROMPTS)
+    runs = {
+        i: (
+            captured[i * n : (i + 1) * n],
+            oracle_outs[i * n : (i + 1) * n],
+            _positions(oracle_outs[i * n : (i + 1) * n]),
+        )
+        for i in range(len(SETTINGS))
+    }
+    return runs, unpacked, sum(len(o.token_ids) for o in captured)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+def test_rows_equal_the_full_width_oracle(full_width_runs, setting):
+    from replay_plugin.vllm import support_of
+
+    runs, unpacked, positions_in_all = full_width_runs
+    captured, oracle_outs, oracle = runs[SETTINGS.index(setting)]
     checked = 0
     for out, ref_out, positions in zip(captured, oracle_outs, oracle):
         assert list(out.token_ids) == list(ref_out.token_ids)  # same seeds, same draws
@@ -214,7 +245,7 @@ def test_rows_equal_the_full_width_oracle(llm, setting):
             assert rows.sampled_logprob[i] == pytest.approx(position[int(rows.sampled[i])], abs=1e-6)
             checked += 1
     assert checked >= len(PROMPTS) * 8
-    assert unpacked >= checked // 2, (unpacked, checked)
+    assert unpacked >= positions_in_all // 2, (unpacked, positions_in_all)
 
 
 def test_renormalised_logprob_reproduces_vllms_sampled_logprob(llm):
@@ -798,7 +829,10 @@ def test_requests_refused_when_the_capture_patch_is_not_in_place(stock_runs):
     the guard, naming the state and the fix. Without any plugin the client helper raises instead
     of returning nothing."""
     for state, expected in (
-        ("skipped-version", r"skipped-version \(vLLM [0-9.]+\).*outside the supported range.*install a replay-plugin"),
+        (
+            "skipped-version",
+            r"skipped-version \(vLLM [0-9.]+(\+[0-9a-z.]+)?\).*outside the supported range.*install a replay-plugin",
+        ),
         ("disabled", r"REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT=0.*unset REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT"),
     ):
         run = stock_runs[state]
