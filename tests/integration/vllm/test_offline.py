@@ -196,9 +196,9 @@ SETTINGS = [
 @pytest.fixture(scope="module")
 def full_width_runs(llm):
     """The requests of every setting in one batch per run (stock, captured, full-width oracle):
-    three generate calls in all, not three per setting. Model Runner V2 under Triton's
-    interpreter pays per engine step, not per request (5 settings: ~110 s less per MRV2
-    environment). Per-request seeds make each request's draws independent of the batch."""
+    three generate calls in all, not three per setting (fewer engine steps; Model Runner V2
+    under Triton's interpreter is slow per step). Per-request seeds make each request's draws
+    independent of the batch."""
     from replay_plugin.vllm import support_of
     from replay_plugin.vllm.batch_rows import batch_stats
 
