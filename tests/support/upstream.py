@@ -37,6 +37,7 @@ _IMPORT_NAMES = {
     "vllm": "vllm",
     "verl": "verl",
     "skyrl": "skyrl",
+    "trl": "trl",
     "transformers": "transformers",
 }
 
