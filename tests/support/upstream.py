@@ -39,6 +39,7 @@ _IMPORT_NAMES = {
     "skyrl": "skyrl",
     "trl": "trl",
     "transformers": "transformers",
+    "trl": "trl",
 }
 
 
