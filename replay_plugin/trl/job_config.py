@@ -84,6 +84,10 @@ def read(config: Any) -> TrlJob:
     """A TRL job's config: a YAML file's path, a YAML/JSON mapping as text (``{...}``), a command
     line (one string, split as a shell splits it, or a list of words), a mapping of GRPOConfig
     keyword arguments, or an object carrying them as attributes (a ``GRPOConfig``)."""
+    return _stray_in_generation_kwargs(_read(config))
+
+
+def _read(config: Any) -> TrlJob:
     if isinstance(config, Mapping):
         return _from_values(dict(config), "the mapping", {})
     if isinstance(config, str):
@@ -292,9 +296,14 @@ def _post_init(job: TrlJob, where: str) -> None:
                 ) from None
     if job.fields["use_transformers_paged"]:
         job.fields["use_transformers_continuous_batching"] = True
+
+
+def _stray_in_generation_kwargs(job: TrlJob) -> TrlJob:
+    """``replay_*`` keys directly under ``generation_kwargs`` (not under its ``extra_args``)."""
     kwargs = job.fields["generation_kwargs"]
     if isinstance(kwargs, Mapping):
         job.stray += [f"generation_kwargs: {k}" for k in kwargs if str(k).lower().startswith("replay")]
+    return job
 
 
 def _convert_str_dict(value: Any) -> Any:

@@ -106,6 +106,15 @@ def test_yaml_trlparser_refuses(tmp_path):
         read(["--config", str(good), "--config", "x.yaml"])
 
 
+def test_an_object_is_read_by_its_attributes():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(top_k=20, use_vllm=True, generation_kwargs={"replay_routed_experts": True}, other=1)
+    job = read(cfg)
+    assert job["top_k"] == 20 and job["use_vllm"] is True and job["temperature"] == 1.0
+    assert job.stray == ["generation_kwargs: replay_routed_experts"]
+
+
 def test_a_replayable_config_is_clean_and_no_switch_is_a_note():
     assert findings(CLEAN) == []
     assert findings(["--top_k", "20", *SWITCH[:1], json.dumps({"extra_args": {"replay_sample_support": True}})]) == []
@@ -222,3 +231,19 @@ def test_doctor_report_carries_trl_findings_and_notes(tmp_path):
     assert [f.check for f in found] == ["trl-config"] and "no such file" in found[0].problem
     found, notes = top.check_trl(["--top_k", "20"], {})
     assert found == [] and "not set" in notes[0]
+
+
+def test_the_patches_the_doctor_requires_are_the_matrix_patches():
+    """Every name the doctor asks the registry about is a patch of compat_matrix.yaml (a renamed
+    patch would otherwise be reported "not registered" for every switched-on job); the trl.*
+    names once the matrix has the TRL pack."""
+    from replay_plugin import compat
+
+    matrix = compat.load()
+    names = {*doctor.COMMON, *doctor.SUPPORT, *doctor.ROUTES, *doctor.HF_SUPPORT, *doctor.VLLM_ENGINE}
+    names |= {*doctor.VLLM_CAPTURE, *doctor.VLLM_ROUTES}
+    if doctor.UPSTREAM not in matrix.upstreams:
+        names = {n for n in names if not n.startswith("trl.")}
+    assert names <= set(matrix.patches), sorted(names - set(matrix.patches))
+    trl_patches = {n for n in matrix.patches if n.startswith("trl.")}
+    assert trl_patches <= names, sorted(trl_patches - names)  # a new trl patch: does a switched-on job need it?

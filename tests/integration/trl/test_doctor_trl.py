@@ -132,3 +132,25 @@ def test_doctor_command(tmp_path):
     proc = doctor(str(tmp_path / "missing.yaml"))
     bad = [f for f in json.loads(proc.stdout)["findings"] if f["check"] == "trl-config"]
     assert proc.returncode == 1 and "no such file" in bad[0]["problem"]
+
+
+def test_trlparser_exports_env_after_the_plugin_activated(tmp_path):
+    """Why the doctor reports REPLAY_PLUGIN_* in the YAML's env: block: importing TrlParser
+    imports transformers, which activates the plugin (its settings read, its patches armed)
+    before parse_args_and_config exports the block; REPLAY_PLUGIN_DISABLE=1 there does not
+    disable it."""
+    need_module("trl")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("env:\n  REPLAY_PLUGIN_DISABLE: '1'\n")
+    code = f"""
+import os
+from trl import GRPOConfig, TrlParser
+from replay_plugin import _bootstrap
+active_before = _bootstrap.is_active()
+TrlParser((GRPOConfig,)).parse_args_and_config(["--config", {str(cfg)!r}, *{EXTRA!r}])
+print(active_before, os.environ["REPLAY_PLUGIN_DISABLE"], _bootstrap.is_active())
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLAY_PLUGIN_")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-3:] == ["True", "1", "True"]
