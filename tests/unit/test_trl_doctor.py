@@ -211,7 +211,11 @@ def test_patches_the_backend_needs_are_named():
         and "trl is not installed in" in findings(CLEAN, missing)[0]
     )
     unregistered = findings(CLEAN, lambda name: (False, "not registered (the plugin's pack did not load)"))
-    assert len(unregistered) == 1 and "trl.routes not registered" in unregistered[0]
+    assert (
+        len(unregistered) == 1
+        and "vllm.sampler_rows, trl.routes, vllm.routed_experts not registered" in unregistered[0]
+        and unregistered[0].count("not registered") == 1
+    )
 
 
 def test_notes_name_the_changes_to_know():
