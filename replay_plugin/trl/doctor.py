@@ -324,8 +324,8 @@ def _notes(job: TrlJob, ask: switch.Ask) -> list[str]:
         scale = "~S^T, the product of the kept masses" if mode.startswith("sequence") else "~S, the kept mass per token"
         out.append(
             f"TRL: vllm_importance_sampling_mode={mode}: with replay TRL's importance ratio is ~1 (the trainer scores "
-            f"over the sampler's support), so the loss is no longer scaled by {scale}, and masking or truncation "
-            "rarely fires: a change in training dynamics for a job tuned around the biased ratio"
+            f"over the sampler's support), so the loss is no longer scaled by {scale}: a change in training "
+            "dynamics for a job tuned around the biased ratio"
         )
     if ask.support and backend == "colocate":
         out.append(
