@@ -42,15 +42,7 @@ from .job_config import TrlJob, read
 Finding = tuple[str, str]
 PatchState = Callable[[str], tuple[bool, str]]
 
-UPSTREAM = "trl"
-COMMON = ("trl.rollout_batch", "trl.replay_guard")
-SUPPORT = ("trl.support_logprobs",)
-ROUTES = ("trl.routes",)
-HF_SUPPORT = ("trl.hf_sampler_rows",)
-#: colocate: TRL's LLM(...) and its outputs, and the vLLM pack's capture in the same process
-VLLM_ENGINE = ("trl.vllm_engine_args", "trl.vllm_rows")
-VLLM_CAPTURE = ("vllm.sample_support", "vllm.engine_admission", "vllm.batch_rows", "vllm.sampler_rows")
-VLLM_ROUTES = ("vllm.routed_experts",)
+GUARD = "trl.replay_guard"
 #: generation_kwargs keys that change logit values in transformers' generate (HF path); the vLLM
 #: ones (penalties, logit_bias, logits_processors) are ``core.sampler``'s
 HF_VALUE_CHANGERS = (
@@ -174,21 +166,26 @@ def _misspelt(kwargs: Mapping[str, Any] | None) -> list[Finding]:
     return out
 
 
+def needed_patches(job: TrlJob, ask: switch.Ask) -> list[str]:
+    """The patches a job needs in the trainer's process: the guard's own list
+    (``guard.needed_patches``), the guard itself, and in colocate mode the vLLM pack's capture the
+    colocated engine needs (``vllm_engine``'s; in server mode that runs in the server's process)."""
+    from types import SimpleNamespace
+
+    from . import guard, vllm_engine
+
+    backend = _backend_name(job)
+    needed = [GUARD, *guard.needed_patches(SimpleNamespace(use_vllm=backend != "hf"), ask)]
+    if backend == "colocate":
+        needed += vllm_engine.SUPPORT_CAPTURE if ask.support else ()
+        needed += vllm_engine.ROUTES_CAPTURE if ask.routes else ()
+    return list(dict.fromkeys(needed))
+
+
 def _patches(job: TrlJob, ask: switch.Ask, patch_state: PatchState) -> list[Finding]:
     """The patches the switch needs on this backend that would not apply in this environment: one
     finding naming each with its state, or one naming trl when it is not installed here at all."""
-    backend = _backend_name(job)
-    needed = list(COMMON)
-    if ask.support:
-        needed += SUPPORT
-        needed += HF_SUPPORT if backend == "hf" else VLLM_ENGINE
-        needed += VLLM_CAPTURE if backend == "colocate" else ()
-    if ask.routes:
-        needed += ROUTES
-        if backend != "hf":
-            needed += VLLM_ENGINE
-        needed += VLLM_ROUTES if backend == "colocate" else ()
-    names = list(dict.fromkeys(needed))
+    names = needed_patches(job, ask)
     off = [(name, why) for name in names for ok, why in [patch_state(name)] if not ok]
     ours = [why for name, why in off if name.startswith("trl.")]
     if ours and len(ours) == sum(n.startswith("trl.") for n in names) and all("not installed" in w for w in ours):
@@ -278,6 +275,15 @@ def _sampler(job: TrlJob, ask: switch.Ask, environ: Mapping[str, str]) -> list[F
             params[str(setting)] = fixes.get(str(setting))
             if setting == "top_k":
                 width = None
+    for name in ("top_k", "repetition_penalty"):
+        if name in kwargs and kwargs[name] != job[name]:
+            out.append(
+                (
+                    f"generation_kwargs.{name}={kwargs[name]!r} overrides GRPOConfig.{name}={job[name]!r} for the "
+                    f"sampler only: the plugin's guard (and the colocated engine's fitting) read GRPOConfig.{name}",
+                    f"set {name} in GRPOConfig (--{name}), not in generation_kwargs",
+                )
+            )
     temperature = kwargs.get("temperature", job["temperature"])
     if temperature != job["temperature"]:
         out.append(
@@ -335,9 +341,10 @@ def _notes(job: TrlJob, ask: switch.Ask) -> list[str]:
         )
     if backend == "server":
         out.append(
-            "TRL: vllm_mode server: the rows and routes come from the vLLM server's own environment (the plugin's "
-            "served fields); check it there (`replay-plugin doctor --vllm-args ...`), and start it with "
-            "--enable-return-routed-experts for routes"
+            "TRL: vllm_mode server: the rows and routes come from the vLLM server, captured by the plugin in the "
+            "server's own environment: install it there (`trl vllm-serve` starts vLLM with processed logprobs and "
+            "--max-logprobs -1, as the capture needs; add --enable-return-routed-experts for routes) and check it "
+            "there (`replay-plugin doctor --vllm-args ...`)"
         )
     out.append(
         "TRL: tools, rollout_func and environment_factory are GRPOTrainer arguments, not config: the trainer's guard "

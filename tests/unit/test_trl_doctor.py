@@ -144,6 +144,10 @@ def test_a_replayable_config_is_clean_and_no_switch_is_a_note():
         (["--top_k", "20", *SWITCH], "HF generate path returns no routes"),
         (["--top_k", "20", "--generation_kwargs", json.dumps({**ON, "sequence_bias": {"1": 2}})], "sequence_bias"),
         ([*CLEAN, "--vllm_mode", "server", "--use_cpu"], "refuses any device but CUDA"),
+        (
+            ["--top_k", "0", "--use_vllm", "--generation_kwargs", json.dumps({**ON, "top_k": 20})],
+            "overrides GRPOConfig.top_k=0 for the sampler only",
+        ),
         ([*CLEAN, "--use_transformers_continuous_batching", "true"], "use_transformers_continuous_batching"),
         ([*CLEAN, "--replay_sample_support", "true"], "the command line: --replay_sample_support is not read"),
         (
@@ -213,7 +217,8 @@ def test_patches_the_backend_needs_are_named():
     unregistered = findings(CLEAN, lambda name: (False, "not registered (the plugin's pack did not load)"))
     assert (
         len(unregistered) == 1
-        and "vllm.sampler_rows, trl.routes, vllm.routed_experts not registered" in unregistered[0]
+        and "trl.replay_guard, trl.rollout_batch, trl.support_logprobs" in unregistered[0]
+        and "vllm.routed_experts not registered" in unregistered[0]
         and unregistered[0].count("not registered") == 1
     )
 
@@ -237,17 +242,33 @@ def test_doctor_report_carries_trl_findings_and_notes(tmp_path):
     assert found == [] and "not set" in notes[0]
 
 
-def test_the_patches_the_doctor_requires_are_the_matrix_patches():
-    """Every name the doctor asks the registry about is a patch of compat_matrix.yaml (a renamed
-    patch would otherwise be reported "not registered" for every switched-on job); the trl.*
-    names once the matrix has the TRL pack."""
-    from replay_plugin import compat
+def test_the_patches_the_doctor_requires_are_the_guards_and_the_matrix_patches():
+    """The doctor asks about the patches the trainer's guard requires (its own list) and the vLLM
+    capture of a colocated engine; every trl patch of the matrix is one of them for some backend
+    (a new one: does a switched-on job need it?), every vllm one a patch of the matrix."""
+    from types import SimpleNamespace
 
+    from replay_plugin import compat
+    from replay_plugin.trl import guard
+    from replay_plugin.trl.switch import Ask
+
+    both = Ask(support=True, routes=True)
+    everything = set()
+    for words in (CLEAN, [*CLEAN, "--vllm_mode", "server"], ["--top_k", "20"]):
+        job = read(words)
+        names = doctor.needed_patches(job, both)
+        use_vllm = bool(job["use_vllm"])
+        trl_names = [n for n in names if n.startswith("trl.")]
+        assert trl_names == [doctor.GUARD, *guard.needed_patches(SimpleNamespace(use_vllm=use_vllm), both)]
+        everything |= set(names)
+    assert {n for n in everything if n.startswith("vllm.")} == {*guard_capture()}
     matrix = compat.load()
-    names = {*doctor.COMMON, *doctor.SUPPORT, *doctor.ROUTES, *doctor.HF_SUPPORT, *doctor.VLLM_ENGINE}
-    names |= {*doctor.VLLM_CAPTURE, *doctor.VLLM_ROUTES}
-    if doctor.UPSTREAM not in matrix.upstreams:
-        names = {n for n in names if not n.startswith("trl.")}
-    assert names <= set(matrix.patches), sorted(names - set(matrix.patches))
+    assert {n for n in everything if n.startswith("vllm.")} <= set(matrix.patches)
     trl_patches = {n for n in matrix.patches if n.startswith("trl.")}
-    assert trl_patches <= names, sorted(trl_patches - names)  # a new trl patch: does a switched-on job need it?
+    assert trl_patches <= everything, sorted(trl_patches - everything)
+
+
+def guard_capture():
+    from replay_plugin.trl import vllm_engine
+
+    return (*vllm_engine.SUPPORT_CAPTURE, *vllm_engine.ROUTES_CAPTURE)
