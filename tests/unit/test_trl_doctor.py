@@ -193,6 +193,7 @@ def test_patches_the_backend_needs_are_named():
 
     found = findings(CLEAN, off)
     assert len(found) == 1 and "trl.vllm_rows disabled: REPLAY_PLUGIN_TRL_VLLM_ROWS=0" in found[0]
+    assert "the trainer's guard (trl.replay_guard) refuses the job" in found[0]
     assert {
         "trl.rollout_batch",
         "trl.support_logprobs",
@@ -219,6 +220,7 @@ def test_patches_the_backend_needs_are_named():
         len(unregistered) == 1
         and "trl.replay_guard, trl.rollout_batch, trl.support_logprobs" in unregistered[0]
         and "vllm.routed_experts not registered" in unregistered[0]
+        and "silently" in unregistered[0]
         and unregistered[0].count("not registered") == 1
     )
 
