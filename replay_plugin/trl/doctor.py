@@ -11,12 +11,16 @@ running process. Found here before the job starts:
   ``generation_kwargs["extra_args"]`` (top level of the YAML, which ``trl grpo`` drops without a
   word; ``generation_kwargs`` itself), an unknown ``replay_*`` key or one spelt in another case
   or with dashes;
-- with the switch: the patches it needs that would not apply here (switched off, not
+- with the switch: the patches it needs that would not apply here (the guard's own list,
+  ``guard.needed_patches``, the guard, and a colocated engine's vLLM capture; switched off, not
   registered, trl or vLLM outside the range, ``REPLAY_PLUGIN_DISABLE``), trl not installed here;
   sampler settings the vLLM pack refuses (``top_k`` unset or <= 1, ``repetition_penalty`` != 1,
   temperature below 0.01, penalties or logit bias in ``generation_kwargs``; the same rule as the
   vLLM pack's, ``core.sampler.check_replayable``, on the values TRL sends: ``generation_kwargs``
-  overrides the fields in all three backends); routes asked on TRL's HF generate path (no routes
+  overrides the fields in all three backends), and a ``temperature``, ``top_k`` or
+  ``repetition_penalty`` there that differs from GRPOConfig's (it reaches the sampler only: the
+  trainer scores at GRPOConfig's temperature, the guard reads its top_k and repetition_penalty);
+  routes asked on TRL's HF generate path (no routes
   there); transformers' continuous batching; server mode with ``use_cpu`` (TRL's NCCL weight
   sync needs CUDA); ``REPLAY_PLUGIN_*`` variables in the YAML's ``env:`` block (exported after
   the plugin read its settings).
