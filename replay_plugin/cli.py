@@ -213,6 +213,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             megatron_config=args.megatron_config,
             skyrl_config=args.skyrl_config,
             verl_config=args.verl_config,
+            trl_config=args.trl_config,
         )
     if args.json:
         print(json.dumps(report, indent=1))
@@ -282,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CONFIG",
         help='verl\'s config: its Hydra overrides ("+actor_rollout_ref.rollout.custom.replay_sample_support=true ...") '
         "or a YAML file of its resolved config",
+    )
+    p.add_argument(
+        "--trl-config",
+        metavar="CONFIG",
+        help='TRL\'s GRPO config: its command line ("--config cfg.yaml --top_k 20 --use_vllm true ..."), '
+        'a YAML file of GRPOConfig fields, or a mapping (\'{"top_k": 20, "generation_kwargs": {...}}\')',
     )
     p.set_defaults(func=cmd_doctor)
 

@@ -1,9 +1,10 @@
 """``replay-plugin doctor``: what stops replay from working here, each finding with its fix.
 
-Installation checks run in the current environment; the vLLM, Megatron, SkyRL, verl and Ray checks
-look at the current environment and, when given, at the engine arguments, model configuration and
-SkyRL or verl config the job will use (the framework knowledge lives in ``vllm/doctor.py``,
-``megatron/doctor.py``, ``skyrl/doctor.py`` and ``verl/doctor.py``).
+Installation checks run in the current environment; the vLLM, Megatron, SkyRL, verl, TRL and Ray
+checks look at the current environment and, when given, at the engine arguments, model
+configuration and SkyRL, verl or TRL config the job will use (the framework knowledge lives in
+``vllm/doctor.py``, ``megatron/doctor.py``, ``skyrl/doctor.py``, ``verl/doctor.py`` and
+``trl/doctor.py``).
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ def report(
     megatron_config: str | None = None,
     skyrl_config: str | None = None,
     verl_config: str | None = None,
+    trl_config: object = None,
     environ: Mapping[str, str] | None = None,
 ) -> dict:
     """Every finding, the installed upstreams and notes; ``ok`` when nothing was found."""
@@ -191,6 +193,10 @@ def report(
 
         findings += check_job("verl", check_verl, verl_config, env)
     notes = []
+    if trl_config is not None:
+        found, trl_notes = check_trl(trl_config, env)
+        findings += found
+        notes += trl_notes
     if settings.disabled(env):
         notes.append("REPLAY_PLUGIN_DISABLE is set: the plugin is off in every process of this environment")
     return {
@@ -219,6 +225,19 @@ def check_job(
         return [Finding(framework, problem, fix) for problem, fix in check(config, environ)]
     except ConfigError as exc:
         return [Finding(f"{framework}-config", exc.problem, exc.fix)]
+
+
+def check_trl(config: object, environ: Mapping[str, str]) -> tuple[list[Finding], list[str]]:
+    """The TRL doctor's findings (check ``trl``) and notes, or the one reason its config cannot be
+    read (check ``trl-config``)."""
+    from .job_config import ConfigError
+    from .trl.doctor import check
+
+    try:
+        report = check(config, environ)
+    except ConfigError as exc:
+        return [Finding("trl-config", exc.problem, exc.fix)], []
+    return [Finding("trl", problem, fix) for problem, fix in report.findings], report.notes
 
 
 def _importable(name: str) -> bool:

@@ -38,7 +38,6 @@ _IMPORT_NAMES = {
     "verl": "verl",
     "skyrl": "skyrl",
     "transformers": "transformers",
-    "trl": "trl",
 }
 
 
