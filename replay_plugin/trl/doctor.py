@@ -288,7 +288,7 @@ def _sampler(job: TrlJob, ask: switch.Ask, environ: Mapping[str, str]) -> list[F
             out.append(
                 (
                     f"generation_kwargs.{name}={kwargs[name]!r} overrides GRPOConfig.{name}={job[name]!r} for the "
-                    f"sampler only: the plugin's guard (and the colocated engine's fitting) read GRPOConfig.{name}",
+                    f"sampler only: the trainer's guard refuses it (the plugin reads GRPOConfig.{name})",
                     f"set {name} in GRPOConfig (--{name}), not in generation_kwargs",
                 )
             )

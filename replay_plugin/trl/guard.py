@@ -8,7 +8,9 @@ train on full-vocabulary log-probs (and its own routes) while its config says ot
 
 Wraps ``GRPOTrainer.__init__`` (after TRL's own checks). With the switch set, refused:
 
-- sample support: ``top_k <= 1`` (the rows hold ``top_k + slack`` ids: an unbounded support
+- sample support: ``temperature`` / ``top_k`` / ``repetition_penalty`` in ``generation_kwargs``
+  other than GRPOConfig's (TRL's backends give the sampler the dict's value, its trainer scores at
+  GRPOConfig's temperature), ``top_k <= 1`` (the rows hold ``top_k + slack`` ids: an unbounded support
   has nothing to replay, ``top_k=1`` is greedy), ``repetition_penalty != 1`` (it changes the
   sampler's values, which the trainer's logits do not carry), a model whose LM head the plugin's
   hidden-state path cannot reproduce (``final_logit_softcapping``, a logit scale, an LM-head
@@ -104,6 +106,28 @@ def _check_head(model: Any) -> None:
         )
 
 
+#: sampler settings TRL's backends take from ``generation_kwargs`` over GRPOConfig's (every
+#: backend applies the dict last), while the trainer and this guard read GRPOConfig's
+_OVERRIDABLE = ("temperature", "top_k", "repetition_penalty")
+
+
+def _check_overrides(trainer: Any) -> None:
+    """``generation_kwargs`` overriding ``temperature`` / ``top_k`` / ``repetition_penalty`` for the
+    sampler only: TRL's trainer scores at ``GRPOConfig.temperature`` (the support log-probs would be
+    taken at another temperature than the tokens were sampled at: silently wrong), and the checks
+    below read GRPOConfig's values."""
+    kwargs = getattr(trainer.args, "generation_kwargs", None) or {}
+    for name in _OVERRIDABLE:
+        if name in kwargs and kwargs[name] != getattr(trainer.args, name, None):
+            _refuse(
+                name,
+                f"generation_kwargs[{name!r}]={kwargs[name]!r} overrides GRPOConfig.{name}="
+                f"{getattr(trainer.args, name, None)!r} for the sampler only (TRL's trainer and the plugin read "
+                f"GRPOConfig's): set {name} in GRPOConfig, not in generation_kwargs",
+                kwargs[name],
+            )
+
+
 def check(trainer: Any) -> switch.Ask:
     """Refuse (``NotReplayable``) a ``GRPOTrainer`` whose switch asks for what cannot be exact."""
     ask = switch.asked(trainer.args)
@@ -142,6 +166,7 @@ def check(trainer: Any) -> switch.Ask:
             False,
         )
     if ask.support:
+        _check_overrides(trainer)
         top_k = getattr(trainer, "top_k", None)
         if top_k is None or int(top_k) <= 1:
             _refuse(

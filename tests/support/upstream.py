@@ -38,6 +38,7 @@ _IMPORT_NAMES = {
     "verl": "verl",
     "skyrl": "skyrl",
     "transformers": "transformers",
+    "trl": "trl",
 }
 
 

@@ -102,3 +102,26 @@ def test_guard_passes_a_job_without_the_switch():
 
     plain = _trainer(tools=[print], args=SimpleNamespace(generation_kwargs=None))
     assert not guard.check(plain).any
+
+
+@pytest.mark.parametrize(
+    ("override", "setting"),
+    [
+        ({"temperature": 0.7}, "temperature"),
+        ({"top_k": 4}, "top_k"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ],
+)
+def test_guard_refuses_sampler_settings_overridden_in_generation_kwargs(override, setting):
+    """TRL's backends give the sampler generation_kwargs' value, its trainer scores at GRPOConfig's
+    temperature: support log-probs at another temperature than the draw, without a word."""
+    from types import SimpleNamespace
+
+    from replay_plugin.core.errors import NotReplayable
+    from replay_plugin.trl import guard
+
+    kwargs = {"extra_args": {"replay_sample_support": True}, **override}
+    args = SimpleNamespace(generation_kwargs=kwargs, temperature=1.0, top_k=8, repetition_penalty=1.0)
+    with pytest.raises(NotReplayable, match=f"set {setting} in GRPOConfig") as info:
+        guard.check(_trainer(args=args))
+    assert info.value.setting == setting
