@@ -15,7 +15,7 @@ from __future__ import annotations
 from .settings import TRUE
 
 #: Top-level import names of every patch target (checked against compat_matrix.yaml by a test).
-WATCHED = ("megatron", "skyrl", "transformers", "verl", "vllm")
+WATCHED = ("megatron", "skyrl", "transformers", "trl", "verl", "vllm")
 
 #: Executed only when the plugin is not disabled and no finder is armed yet. Compiling source
 #: costs per statement, so the finder is a plain function (``find_spec`` is an attribute pointing

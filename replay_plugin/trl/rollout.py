@@ -51,13 +51,19 @@ class Rollout:
 
     ask: Ask
     completions: list[Completion] = field(default_factory=list)
+    #: TRL's unpadded prompt / completion lengths, set by the batch seam once generation is done
+    prompt_lengths: list[int] | None = None
+    completion_lengths: list[int] | None = None
+    #: what the trainer seams derive from this generation (padded grids, measurements), by name
+    cache: dict = field(default_factory=dict)
 
     def deliver(self, completions: Sequence[Completion]) -> None:
         """Appends ``completions`` (TRL's order) to this generation's."""
         self.completions.extend(completions)
 
-    def check(self, completion_ids: Sequence[Sequence[int]]) -> None:
-        """Checks the delivered data against TRL's completions (count, tokens, widths).
+    def check(self, completion_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]] | None = None) -> None:
+        """Checks the delivered data against TRL's completions (count, tokens, widths; with
+        ``prompt_ids``, the routes' lengths too) and records the lengths.
 
         Raises:
             ReplayDataError: another number of completions, rows for other tokens or another
@@ -68,8 +74,8 @@ class Rollout:
                 "completions",
                 f"the plugin captured {len(self.completions)} completions, TRL returned {len(completion_ids)}",
             )
-        for i, (got, ids) in enumerate(zip(self.completions, completion_ids)):
-            ids = np.asarray(list(ids), dtype=np.int64)
+        for i, (got, token_ids) in enumerate(zip(self.completions, completion_ids)):
+            ids = np.asarray(list(token_ids), dtype=np.int64)
             if self.ask.support:
                 if got.rows is None:
                     raise ReplayDataError("replay_support", f"completion {i}: no support rows were captured")
@@ -87,6 +93,20 @@ class Rollout:
                         f"completion {i}, token {t}: the row was captured for token {int(sampled[t])}, "
                         f"TRL's completion has {int(ids[t])}",
                     )
+            if self.ask.routes and prompt_ids is not None:
+                if got.routes is None:
+                    raise ReplayDataError("replay_routes", f"completion {i}: no routed experts were captured")
+                want = len(prompt_ids[i]) + ids.shape[0]
+                if got.routes.ndim != 3 or got.routes.shape[0] != want:
+                    raise ReplayDataError(
+                        "replay_routes",
+                        f"completion {i}: routes of shape {tuple(got.routes.shape)} for {len(prompt_ids[i])} prompt "
+                        f"and {ids.shape[0]} completion tokens",
+                        expected=f"[{want}, layers, top_k]",
+                    )
+        self.completion_lengths = [len(ids) for ids in completion_ids]
+        if prompt_ids is not None:
+            self.prompt_lengths = [len(ids) for ids in prompt_ids]
 
 
 _CURRENT: contextvars.ContextVar[Rollout | None] = contextvars.ContextVar("replay_plugin_trl_rollout", default=None)
@@ -131,3 +151,48 @@ def exact_grid(rollout: Rollout, width_c: int) -> np.ndarray:
         if c.rows is not None:
             grid[i, : c.rows.exact.shape[0]] = c.rows.exact
     return grid
+
+
+def sampled_logprob_grid(rollout: Rollout, width_c: int) -> np.ndarray:
+    """``float32 [B, C]``: the sampler's processed logprob of each completion token (NaN where
+    none was captured and past a completion's end)."""
+    grid = np.full((len(rollout.completions), width_c), np.nan, dtype=np.float32)
+    for i, c in enumerate(rollout.completions):
+        if c.rows is not None:
+            grid[i, : c.rows.sampled_logprob.shape[0]] = c.rows.sampled_logprob
+    return grid
+
+
+def routes_grid(rollout: Rollout, width_p: int, width_c: int) -> tuple[np.ndarray, np.ndarray]:
+    """Routes ``[B, P + C, L, K]`` (the captured dtype) and the router padding mask ``bool
+    [B, P + C]`` on TRL's grid: prompts left-padded to ``P = width_p``, completions right-padded
+    to ``C = width_c``. Positions without a route (padding, an uncaptured position) hold the
+    dummy experts ``0 .. K-1`` and are True in the mask. Needs :meth:`Rollout.check` with
+    ``prompt_ids`` first (the lengths)."""
+    if rollout.prompt_lengths is None or rollout.completion_lengths is None:
+        raise ReplayDataError("replay_routes", "the rollout was not checked against TRL's prompts and completions")
+    shapes = {c.routes.shape[1:] for c in rollout.completions if c.routes is not None}
+    if len(shapes) != 1:
+        raise ReplayDataError(
+            "replay_routes", f"completions carry routes of shapes {sorted(shapes)}", expected="one [L, K]"
+        )
+    (lk,) = shapes
+    dtype = np.result_type(*[c.routes.dtype for c in rollout.completions if c.routes is not None])
+    b, s = len(rollout.completions), width_p + width_c
+    routes = np.broadcast_to(np.arange(lk[1], dtype=dtype), (b, s, *lk)).copy()
+    padding = np.ones((b, s), dtype=bool)
+    for i, c in enumerate(rollout.completions):
+        p, t = rollout.prompt_lengths[i], rollout.completion_lengths[i]
+        if p > width_p or t > width_c:
+            raise ReplayDataError(
+                "replay_routes",
+                f"completion {i}: {p} prompt + {t} completion tokens for a grid of {width_p} + {width_c}",
+            )
+        if c.routes is None:
+            continue
+        routes[i, width_p - p : width_p] = c.routes[:p]
+        routes[i, width_p : width_p + t] = c.routes[p : p + t]
+        pad = np.zeros(p + t, dtype=bool) if c.router_padding is None else np.asarray(c.router_padding, dtype=bool)
+        padding[i, width_p - p : width_p] = pad[:p]
+        padding[i, width_p : width_p + t] = pad[p : p + t]
+    return routes, padding

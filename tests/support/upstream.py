@@ -37,7 +37,9 @@ _IMPORT_NAMES = {
     "vllm": "vllm",
     "verl": "verl",
     "skyrl": "skyrl",
+    "trl": "trl",
     "transformers": "transformers",
+    "trl": "trl",
 }
 
 

@@ -70,6 +70,7 @@ def test_entry_points_declared():
         "fsdp": "replay_plugin.fsdp.patches",
         "skyrl": "replay_plugin.skyrl.patches",
         "verl": "replay_plugin.verl.patches",
+        "trl": "replay_plugin.trl.patches",
     }
 
 

@@ -1,0 +1,65 @@
+"""The TRL pack's pure parts: the rollout's grids on TRL's padded layout and the HF recorder's
+rows (no trl needed; torch for the recorder)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from replay_plugin.core.errors import ReplayDataError
+from replay_plugin.core.support import SupportRows
+from replay_plugin.trl import rollout
+from replay_plugin.trl.switch import Ask
+
+
+def _rows(tokens, width=3):
+    t = len(tokens)
+    ids = np.full((t, width), -1, dtype=np.int32)
+    ids[:, 0] = tokens
+    return SupportRows(
+        ids=ids, sampled=np.asarray(tokens, np.int32), sampled_logprob=np.zeros(t, np.float32), exact=np.ones(t, bool)
+    )
+
+
+def test_routes_grid_left_pads_prompts_and_right_pads_completions():
+    r = rollout.Rollout(Ask(support=True, routes=True))
+    # completion 0: prompt 2 + completion 1; completion 1: prompt 1 + completion 2; L=1, K=2
+    r0 = np.array([[[10, 11]], [[12, 13]], [[14, 15]]], dtype=np.uint8)
+    r1 = np.array([[[20, 21]], [[22, 23]], [[24, 25]]], dtype=np.uint8)
+    r.deliver([rollout.Completion(rows=_rows([5]), routes=r0), rollout.Completion(rows=_rows([6, 7]), routes=r1)])
+    r.check([[5], [6, 7]], [[1, 2], [3]])
+    routes, padding = rollout.routes_grid(r, 2, 3)
+    assert routes.dtype == np.uint8 and routes.shape == (2, 5, 1, 2)
+    assert padding.tolist() == [[False, False, False, True, True], [True, False, False, False, True]]
+    assert routes[0, :, 0, 0].tolist() == [10, 12, 14, 0, 0]
+    assert routes[1, :, 0, 0].tolist() == [0, 20, 22, 24, 0]
+    np.testing.assert_array_equal(rollout.support_grid(r, 3)[:, :, 0], [[5, -1, -1], [6, 7, -1]])
+
+
+def test_check_refuses_routes_of_another_length_naming_the_completion():
+    r = rollout.Rollout(Ask(routes=True))
+    r.deliver([rollout.Completion(routes=np.zeros((2, 1, 2), np.uint8))])
+    with pytest.raises(ReplayDataError, match="completion 0: routes of shape"):
+        r.check([[5, 6]], [[1]])
+
+
+def test_recorder_rows_exact_and_a_wide_support_refused():
+    torch = pytest.importorskip("torch")
+    from replay_plugin.trl.hf_rows import Recorder, rows_of
+
+    rec = Recorder(width=3)
+    inf = float("-inf")
+    # step 0: 2 finite scores; step 1: 3 finite
+    rec(None, torch.tensor([[0.0, 1.0, inf, inf, inf], [2.0, inf, inf, 1.0, inf]]))
+    rec(None, torch.tensor([[0.0, 1.0, 2.0, inf, inf], [inf, inf, 0.0, 0.0, 0.0]]))
+    rows = rows_of(rec, [[1, 2], [3]])  # completion 1 ended after one token
+    assert rows[0].ids.tolist() == [[1, 0, -1], [2, 1, 0]]
+    assert rows[0].exact.all() and len(rows[1]) == 1
+    want = torch.log_softmax(torch.tensor([0.0, 1.0]), 0)[1].item()
+    assert rows[0].sampled_logprob[0] == pytest.approx(want)
+
+    wide = Recorder(width=2)
+    wide(None, torch.tensor([[0.0, 1.0, 2.0, inf]]))
+    with pytest.raises(ReplayDataError, match="more than the rows' width 2") as info:
+        rows_of(wide, [[2]])
+    assert (info.value.trajectory, info.value.token) == (0, 0)
