@@ -80,7 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (default 16)")
     g.add_argument("--num-generations", type=int, default=4, help="completions per prompt (default 4)")
     g.add_argument(
-        "--trl-runs", default="stock,replay", help="which runs, in order (default stock,replay: switch off, then on)"
+        "--trl-runs",
+        default="stock,support,replay",
+        help="which runs, in order, of stock (switch off), support (sample support only), replay "
+        "(support and routed experts); default all three",
     )
     g.add_argument(
         "--trl-precision",

@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-RUNS = ("stock", "replay")
+#: the runs --trl-runs can name: switch off, sample support only, both replays
+RUNS = ("stock", "support", "replay")
 
 #: TRL 1.16's own metric names (``GRPOTrainer._metrics``, logged once per step)
 RATIO = "sampling/importance_sampling_ratio/mean"
@@ -37,10 +38,14 @@ KL = "kl"
 REWARD = "reward"
 
 #: the plot's panels (a route-agreement panel is added when a run logged one)
-PANELS = (RATIO, LOGP_DIFF, KL, REWARD)
+PANELS = (RATIO, LOGP_DIFF, LOGP_DIFF_MAX, KL, REWARD)
 
-#: TRL's switch, as a user writes it (replay_plugin.trl.switch)
-SWITCH = {"extra_args": {"replay_sample_support": True, "replay_routed_experts": True}}
+#: TRL's switch per run, as a user writes it (replay_plugin.trl.switch)
+SWITCHES: dict[str, dict | None] = {
+    "stock": None,
+    "support": {"extra_args": {"replay_sample_support": True}},
+    "replay": {"extra_args": {"replay_sample_support": True, "replay_routed_experts": True}},
+}
 
 #: the TRL pack's patches the replay run needs (colocate vLLM, trainer side)
 NEEDED_PATCHES = ("trl.vllm_engine_args", "trl.vllm_rows", "trl.rollout_batch", "trl.support_logprobs", "trl.routes")
@@ -161,6 +166,9 @@ def write_plot(path: str, runs: Mapping[str, Sequence[Mapping[str, Any]]], title
             ax.plot(steps, values, marker="o", label=name)
         if metric == RATIO:
             ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        if metric in (LOGP_DIFF, LOGP_DIFF_MAX) and all(v > 0 for _, values in series.values() for v in values):
+            ax.set_yscale("log")
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(metric, fontsize=9)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
@@ -353,7 +361,10 @@ def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str],
             config = GRPOConfig(
                 output_dir=tempfile.mkdtemp(prefix=f"replay-demo-trl-{name}-"),
                 use_cpu=True,
-                bf16=precision == "bfloat16",
+                # the trainer's weights in ``dtype``, no autocast: with ``bf16=True`` accelerate
+                # wraps the model's forward (``_original_forward``), where trl.support_logprobs
+                # does not find TRL's fused head yet
+                bf16=False,
                 model_init_kwargs={"dtype": dtype},
                 gradient_checkpointing=False,
                 max_steps=args.steps,
@@ -370,7 +381,7 @@ def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str],
                 vllm_mode="colocate",
                 vllm_gpu_memory_utilization=0.1,
                 vllm_max_model_length=1024,
-                generation_kwargs=SWITCH if name == "replay" else None,
+                generation_kwargs=SWITCHES[name],
                 logging_steps=1,
                 report_to=[],
                 save_strategy="no",
@@ -383,7 +394,7 @@ def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str],
                 + ")"
             )
             trainer = GRPOTrainer(model=model_dir, reward_funcs=digits, args=config, train_dataset=dataset)
-            if name == "replay":
+            if SWITCHES[name] is not None:
                 missing = _unapplied_patches()
                 if missing:
                     raise SystemExit(
@@ -425,7 +436,7 @@ def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str],
         "top_p": args.top_p,
         "temperature": args.temperature,
         "max_completion_length": max_len,
-        "switch": SWITCH,
+        "switches": {name: SWITCHES[name] for name in names},
         "reward": "share of completion tokens with a digit",
         "engine_seconds": round(engine.seconds, 1),
         "train_seconds": seconds,

@@ -85,10 +85,10 @@ def test_document_is_json_with_runs_and_meta_and_no_nan(tmp_path):
     assert doc["runs"]["replay"][0][demo.RATIO] == 0.32
 
 
-def test_plot_panels_are_the_four_metrics_plus_routes_when_logged():
+def test_plot_panels_are_the_five_metrics_plus_routes_when_logged():
     stock = demo.step_rows(HISTORY)
     panels = demo.plot_panels({"stock": stock})
-    assert [m for m, _ in panels] == [demo.RATIO, demo.LOGP_DIFF, demo.KL, demo.REWARD]
+    assert [m for m, _ in panels] == [demo.RATIO, demo.LOGP_DIFF, demo.LOGP_DIFF_MAX, demo.KL, demo.REWARD]
     kl = dict(panels)[demo.KL]
     assert kl["stock"] == ([1], [0.0])  # the step without a value is left out
     replay = [dict(r, **{"replay/route_agreement": 0.9}) for r in stock]
