@@ -39,7 +39,6 @@ _IMPORT_NAMES = {
     "skyrl": "skyrl",
     "trl": "trl",
     "transformers": "transformers",
-    "trl": "trl",
 }
 
 
