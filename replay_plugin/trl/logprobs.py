@@ -51,10 +51,13 @@ def fused_module(model: Any) -> Any:
 
     for module in model.modules():
         # an instance attribute (types.MethodType); functools.wraps gave it the model's forward's
-        # name, its code keeps TRL's
-        code = getattr(getattr(module.__dict__.get("forward"), "__func__", None), "__code__", None)
-        if getattr(code, "co_name", None) == _FUSED:
-            return module
+        # name, its code keeps TRL's. Under mixed precision accelerate (1.x, ``prepare_model`` with
+        # native AMP: bf16=True on CPU) wraps that forward in autocast and keeps it as
+        # ``_original_forward``.
+        for attr in ("forward", "_original_forward"):
+            code = getattr(getattr(module.__dict__.get(attr), "__func__", None), "__code__", None)
+            if getattr(code, "co_name", None) == _FUSED:
+                return module
     raise NotReplayable(
         "model",
         f"{type(model).__name__} carries no TRL fused LM head (add_fused_lm_head), which the plugin's support "

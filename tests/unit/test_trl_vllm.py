@@ -62,6 +62,12 @@ def test_engine_kwargs_raise_max_logprobs_and_ask_for_routes():
     assert changes == ["enable_return_routed_experts -> True"]
     fitted, _ = vllm_engine.engine_kwargs(LLM_KWARGS, Ask(support=True, routes=True), 24)
     assert fitted["max_logprobs"] == 24 and fitted["enable_return_routed_experts"] is True
+    assert "enforce_eager" not in fitted
+    # vLLM's CPU platform: routes need the eager model (the compiled one returns expert 0)
+    fitted, changes = vllm_engine.engine_kwargs(LLM_KWARGS, Ask(routes=True), None, cpu=True)
+    assert fitted["enforce_eager"] is True and changes[-1].startswith("enforce_eager -> True")
+    fitted, _ = vllm_engine.engine_kwargs(LLM_KWARGS, Ask(support=True), 24, cpu=True)
+    assert "enforce_eager" not in fitted  # rows alone: the compiled model is fine
 
 
 def test_engine_kwargs_refuse_an_engine_without_processed_logprobs():
