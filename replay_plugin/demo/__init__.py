@@ -89,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trl-precision",
         choices=("bfloat16", "float32"),
         default="bfloat16",
-        help="the trainer's dtype (default bfloat16, where routed-expert replay matters; vLLM runs float32)",
+        help="the trainer's precision: bfloat16 (default) is TRL's bf16=True (float32 weights, bfloat16 autocast), "
+        "where routed-expert replay matters; vLLM runs float32",
     )
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG histogram of log-ratios per setting")

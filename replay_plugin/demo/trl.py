@@ -334,7 +334,6 @@ def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str],
     if unknown or not names:
         raise SystemExit(f"--trl-runs {args.trl_runs!r}: runs are {', '.join(RUNS)}")
     precision = args.trl_precision
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
     max_len = args.max_tokens
     width = args.top_k + 16
     engine = SharedEngine(
@@ -361,11 +360,9 @@ def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str],
             config = GRPOConfig(
                 output_dir=tempfile.mkdtemp(prefix=f"replay-demo-trl-{name}-"),
                 use_cpu=True,
-                # the trainer's weights in ``dtype``, no autocast: with ``bf16=True`` accelerate
-                # wraps the model's forward (``_original_forward``), where trl.support_logprobs
-                # does not find TRL's fused head yet
-                bf16=False,
-                model_init_kwargs={"dtype": dtype},
+                # TRL's own bfloat16 set-up: float32 weights, accelerate's bf16 autocast
+                bf16=precision == "bfloat16",
+                model_init_kwargs={"dtype": torch.float32},
                 gradient_checkpointing=False,
                 max_steps=args.steps,
                 learning_rate=args.learning_rate,
