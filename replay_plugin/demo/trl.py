@@ -318,8 +318,19 @@ def trainer_logprobs(model: Any, token_ids: list[list[int]]) -> list[list[float]
     return out
 
 
+def run_names(spec: str) -> list[str]:
+    """``--trl-runs``: the comma-separated run names, in order (SystemExit naming the choices)."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise SystemExit(f"--trl-runs {spec!r}: a comma-separated list of distinct runs of {', '.join(RUNS)}")
+    return names
+
+
 def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str], None]) -> dict:
-    """Both runs; returns ``{"runs": {name: step rows}, "meta": ..., "probes": ...}``."""
+    """The runs of ``--trl-runs``; returns ``{"runs": {name: step rows}, "meta": ...}`` (the
+    probes in the meta)."""
+    names = run_names(args.trl_runs)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the vLLM pack serves sample support only to requests that opt in (TRL's switch does)
     os.environ.setdefault("REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS", "opt-in")
@@ -329,10 +340,6 @@ def run(args: Any, model_dir: str, prompts: list[str], progress: Callable[[str],
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    names = [n.strip() for n in args.trl_runs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        raise SystemExit(f"--trl-runs {args.trl_runs!r}: runs are {', '.join(RUNS)}")
     precision = args.trl_precision
     max_len = args.max_tokens
     width = args.top_k + 16

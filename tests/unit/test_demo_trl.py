@@ -109,3 +109,46 @@ def test_token_share_reward():
     assert targets == {1, 2}
     assert demo.token_share_reward([[1, 0, 2, 3], [], [0]], targets) == [0.5, 0.0, 0.0]
     assert not any(math.isnan(x) for x in demo.token_share_reward([[]], targets))
+
+
+def test_shared_engine_builds_one_engine_with_the_demos_arguments():
+    built = []
+
+    def llm(*args, **kwargs):
+        built.append((args, kwargs))
+        return object()
+
+    engine = demo.SharedEngine(llm, {"dtype": "float32", "enforce_eager": True, "max_logprobs": 36})
+    first = engine(model="m", max_logprobs=20, dtype="bfloat16")
+    assert engine(model="m") is first and engine.llm is first
+    assert len(built) == 1
+    args, kwargs = built[0]
+    # the caller's own arguments win, but max_logprobs is never lowered below the rows' width
+    assert kwargs == {"model": "m", "max_logprobs": 36, "dtype": "bfloat16", "enforce_eager": True}
+    engine2 = demo.SharedEngine(llm, {"max_logprobs": 36})
+    engine2(model="m", max_logprobs=64)
+    assert built[-1][1]["max_logprobs"] == 64
+
+
+def test_switches_are_the_plugins_keys():
+    from replay_plugin.trl import switch
+
+    class Args:
+        generation_kwargs = None
+
+    for name, kwargs in demo.SWITCHES.items():
+        Args.generation_kwargs = kwargs
+        ask = switch.asked(Args())
+        assert (ask.support, ask.routes) == {
+            "stock": (False, False),
+            "support": (True, False),
+            "replay": (True, True),
+        }[name]
+
+
+def test_run_names():
+    assert demo.run_names("stock,support,replay") == ["stock", "support", "replay"]
+    assert demo.run_names(" replay , stock") == ["replay", "stock"]
+    for bad in ("", "stock,both", "stock,stock"):
+        with pytest.raises(SystemExit, match="--trl-runs"):
+            demo.run_names(bad)
