@@ -23,6 +23,7 @@ BENCHES = {
     "vllm": "replay_plugin.bench.vllm",
     "fsdp": "replay_plugin.bench.fsdp",
     "skyrl": "replay_plugin.bench.skyrl",
+    "trl": "replay_plugin.bench.trl",
 }
 
 _OPS: dict[str, Callable[[float, float], bool]] = {

