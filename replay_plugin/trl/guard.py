@@ -1,5 +1,6 @@
-"""Patch ``trl.replay_guard``: a TRL job whose switch asks for a replay the plugin cannot make
-exact is refused when its ``GRPOTrainer`` is built, naming the setting and the fix.
+"""Patches ``trl.replay_guard`` and ``trl.unwired_trainers``: a TRL job whose switch asks for a
+replay the plugin cannot make exact is refused when its trainer is built, naming the setting and
+the fix.
 
 Gap (trl 1.16.0): stock TRL ignores the switch (``GRPOConfig.generation_kwargs["extra_args"]``,
 ``switch.py``) without a word on every generation backend, so a job whose replay patches are off,
@@ -21,6 +22,11 @@ Wraps ``GRPOTrainer.__init__`` (after TRL's own checks). With the switch set, re
   continuous batching, vision-language models (per-chunk pixel slicing: not wired);
 - a patch the job needs that is not applied in this process (switched off, version outside the
   matrix, failed): named with its toggle.
+
+Patch ``trl.unwired_trainers`` (same module) wraps ``RLOOTrainer.__init__``: RLOOConfig takes the
+same ``generation_kwargs``, and the pack wires GRPOTrainer only, so an RLOO job with the switch set
+is refused naming the trainer. (TRL's
+experimental ``AsyncGRPOTrainer`` has no ``generation_kwargs``: the switch cannot be set there.)
 
 Without the switch nothing is checked: stock TRL, byte for byte.
 """
@@ -212,5 +218,29 @@ def _guarded(wrapped, instance, args, kwargs):
     return result
 
 
+def check_unwired(trainer: Any) -> None:
+    """Refuse a trainer the pack does not wire (``RLOOTrainer``: its config takes the same
+    ``generation_kwargs``, and stock TRL ignores the switch there too) whose switch is set."""
+    if switch.asked(trainer.args).any:
+        name = type(trainer).__name__
+        _refuse(
+            "trainer",
+            f"{name} is not wired by the plugin (GRPOTrainer is): its log-probs would stay TRL's full-vocabulary "
+            f"ones and its routes its own; use GRPOTrainer or drop the switch",
+            name,
+        )
+
+
+def _unwired(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    check_unwired(instance)
+    return result
+
+
 def install(patcher: Patcher) -> None:
     patcher.wrap("GRPOTrainer.__init__", _guarded)
+
+
+def install_unwired(patcher: Patcher) -> None:
+    """Patch ``trl.unwired_trainers``."""
+    patcher.wrap("RLOOTrainer.__init__", _unwired)

@@ -21,6 +21,7 @@ PATCHES = {
     "trl.hf_sampler_rows": Patch("replay_plugin.trl.hf_rows"),
     "trl.hf_warped_scores": Patch("replay_plugin.trl.hf_rows:install_recorder"),
     "trl.replay_guard": Patch("replay_plugin.trl.guard"),
+    "trl.unwired_trainers": Patch("replay_plugin.trl.guard:install_unwired"),
     # vLLM colocate and server
     "trl.vllm_engine_args": Patch("replay_plugin.trl.vllm_engine"),
     "trl.vllm_rows": Patch("replay_plugin.trl.vllm_rows"),

@@ -266,7 +266,8 @@ def test_the_patches_the_doctor_requires_are_the_guards_and_the_matrix_patches()
     assert {n for n in everything if n.startswith("vllm.")} == {*guard_capture()}
     matrix = compat.load()
     assert {n for n in everything if n.startswith("vllm.")} <= set(matrix.patches)
-    trl_patches = {n for n in matrix.patches if n.startswith("trl.")}
+    # trl.unwired_trainers refuses RLOOTrainer jobs with the switch: no GRPO job needs it
+    trl_patches = {n for n in matrix.patches if n.startswith("trl.")} - {"trl.unwired_trainers"}
     assert trl_patches <= everything, sorted(trl_patches - everything)
 
 

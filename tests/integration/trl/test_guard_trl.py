@@ -106,3 +106,38 @@ def test_value_changing_processor_refused_at_generate(model_dir, tmp_path):
     with pytest.raises(NotReplayable) as info:
         trainer.train()
     assert info.value.setting == "SequenceBiasLogitsProcessor", info.value
+
+
+RLOO_JOB = """
+from trl import RLOOConfig, RLOOTrainer
+import sys
+sys.path.insert(0, {here!r})
+import trl_harness as H
+args = RLOOConfig(output_dir={output!r}, use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                  num_generations=4, max_completion_length=8, top_k=8, report_to="none",
+                  generation_kwargs=H.SUPPORT)
+try:
+    RLOOTrainer(model={model!r}, reward_funcs=H.length_reward, args=args, train_dataset=H.dataset())
+    print("BUILT")
+except Exception as exc:
+    print("REFUSED", type(exc).__name__, getattr(exc, "setting", None))
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("disabled", [True, False], ids=["plugin-disabled", "plugin"])
+def test_rloo_with_the_switch_refused(model_dir, tmp_path, disabled):
+    """RLOOConfig takes the same generation_kwargs: stock TRL builds (and would train) an RLOO job
+    whose switch asks for replay without a word; the pack wires GRPOTrainer only, so
+    trl.unwired_trainers refuses it by name."""
+    need("trl")
+    from support.procs import run_python
+
+    code = RLOO_JOB.format(here=HERE, model=model_dir, output=str(tmp_path))
+    proc = run_python(code, env={"REPLAY_PLUGIN_DISABLE": "1"} if disabled else {})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if disabled:
+        assert "BUILT" in proc.stdout, proc.stdout
+    else:
+        assert "REFUSED NotReplayable trainer" in proc.stdout, proc.stdout
+        assert "RLOOTrainer is not wired" in proc.stdout
