@@ -151,10 +151,15 @@ def test_routed_expert_replay_in_a_bf16_colocated_run(routes):
 def test_server_mode_rows_and_routes(server):
     """Server mode: TRL's VLLMClient.generate against a real `vllm serve` with the plugin; the
     plugin's keys reach the server as vllm_xargs, every choice's rows and routes come back to the
-    batch, and TRL's own ratio is 1 within 1e-5 (a float32 server and trainer)."""
+    batch, and TRL's own ratio is 1 within 1e-5 (a float32 server and trainer); trl.routes logs its
+    route agreements for the server's routes too."""
     assert server["status"]["trl.vllm_rows"] == "applied"
     check_delivered(server, routes=True)
     check_ratio_is_one(server)
+    router, route = metric(server, ROUTER_AGREEMENT), metric(server, ROUTE_AGREEMENT)
+    print(f"float32 trainer vs float32 vLLM server: {ROUTER_AGREEMENT} {router}, {ROUTE_AGREEMENT} {route}")
+    # float32 on both sides: the trainer's own routers agree (seen here: [1.0, 1.0]; the bf16 run: < 1)
+    assert route == [1.0, 1.0] and len(router) == 2 and min(router) > 0.95, (router, route)
 
 
 def test_refused_before_the_engine_loads(tmp_path_factory):
