@@ -105,7 +105,9 @@ def test_routes_replayed_through_training_step(model_dir, tmp_path):
     )
 
 
-def _run_rollout_routes(model_dir: str, output_dir: str, routes: str | None) -> tuple[dict, list[dict]]:
+def _run_rollout_routes(
+    model_dir: str, output_dir: str, routes: str | None, outer_recording: bool = False
+) -> tuple[dict, list[dict]]:
     """A run whose generation backend returns routes: the test's subclass stands in for one (TRL's
     HF generate returns none) by delivering, per completion, the experts the model picks for its
     unpadded prompt + completion into the rollout ``trl.rollout_batch`` opened (``rollout``'s
@@ -141,6 +143,13 @@ def _run_rollout_routes(model_dir: str, output_dir: str, routes: str | None) -> 
             out = super()._generate_and_score_completions(inputs)
             self.batches.append(out)
             return out
+
+        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+            if not outer_recording:
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            # a recording of the caller's around every TRL scoring pass, the old-policy one too
+            with record_routes(self.accelerator.unwrap_model(self.model)):
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
     trainer = RoutingBackend(
         model=model_dir,
@@ -192,6 +201,15 @@ def test_rollout_routes_reach_the_batch_and_every_pass(model_dir, tmp_path, monk
     for q, r in zip(quiet_steps, rotated_steps):  # the extra forward changes none of TRL's numbers
         for key in NUMBERS:
             assert q[key] == r[key], (key, q[key], r[key])
+    # a recording of the caller's open across the old-policy pass: not measured (recordings do not
+    # nest), said in a warning; replay and TRL's numbers unchanged
+    monkeypatch.delenv("REPLAY_PLUGIN_TRL_ROUTER_AGREEMENT")
+    with pytest.warns(UserWarning, match="not measured for this generation"):
+        _, outer_steps = _run_rollout_routes(model_dir, str(tmp_path / "outer"), "rotated", outer_recording=True)
+    assert [(s.get(ROUTER), s.get(ROUTE)) for s in outer_steps] == [(None, None)] * 2
+    for o, r in zip(outer_steps, rotated_steps):
+        for key in NUMBERS:
+            assert o[key] == r[key], (key, o[key], r[key])
 
 
 def torch_cat(a, b):
