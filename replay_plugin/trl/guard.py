@@ -16,7 +16,8 @@ Wraps ``GRPOTrainer.__init__`` (after TRL's own checks). With the switch set, re
   sampler's values, which the trainer's logits do not carry), a model whose LM head the plugin's
   hidden-state path cannot reproduce (``final_logit_softcapping``, a logit scale, an LM-head
   bias), DeepSpeed ZeRO-3 (the LM head is partitioned; untested);
-- routes on HF generate (``use_vllm=False``: ``generate`` returns no routed experts);
+- routes on HF generate (``use_vllm=False``: ``generate`` returns no routed experts), or with a
+  ``REPLAY_PLUGIN_TRL_ROUTER_AGREEMENT`` other than ``0`` / ``1`` (``trl.routes``' knob);
 - either: tools / ``environment_factory`` (multi-turn concatenation with tool tokens),
   ``rollout_func`` (its completions bypass the backends the plugin reads), transformers'
   continuous batching, vision-language models (per-chunk pixel slicing: not wired);
@@ -164,6 +165,10 @@ def check(trainer: Any) -> switch.Ask:
             "vision-language models are not wired (multimodal inputs are sliced per chunk by TRL): use a text model "
             "or drop the switch",
         )
+    if ask.routes:
+        from .routes import router_agreement_on
+
+        router_agreement_on()  # a bad REPLAY_PLUGIN_TRL_ROUTER_AGREEMENT now, not after the first generation
     if ask.routes and not getattr(trainer, "use_vllm", False):
         _refuse(
             "use_vllm",

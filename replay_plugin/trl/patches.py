@@ -11,13 +11,23 @@ this pack imports nothing but the plugin's machinery.
 from __future__ import annotations
 
 from ..hooks import hookimpl
-from ..spec import Patch
+from ..spec import Knob, Patch
+
+ROUTER_AGREEMENT_ENV = "REPLAY_PLUGIN_TRL_ROUTER_AGREEMENT"
+ROUTER_AGREEMENT_KNOB = Knob(
+    ROUTER_AGREEMENT_ENV,
+    "1",
+    "`1`: with routes asked, the first no-grad pass over each generation runs one more no-grad forward per "
+    "chunk by the trainer's own routers and logs `replay/router_agreement` (the share of routed tokens whose "
+    "own experts are the rollout's); `0` skips that forward and the metric (`replay/route_agreement` is "
+    "logged either way); any other value refuses route replay, naming the variable",
+)
 
 PATCHES = {
     # trainer side, HF generate, guard
     "trl.rollout_batch": Patch("replay_plugin.trl.batch"),
     "trl.support_logprobs": Patch("replay_plugin.trl.logprobs"),
-    "trl.routes": Patch("replay_plugin.trl.routes"),
+    "trl.routes": Patch("replay_plugin.trl.routes", knobs=(ROUTER_AGREEMENT_KNOB,)),
     "trl.hf_sampler_rows": Patch("replay_plugin.trl.hf_rows"),
     "trl.hf_warped_scores": Patch("replay_plugin.trl.hf_rows:install_recorder"),
     "trl.replay_guard": Patch("replay_plugin.trl.guard"),

@@ -45,6 +45,10 @@ def test_trl_demo_trains_stock_then_with_replay(tmp_path):
     for row in replay:  # the same metrics with replay: float32 rounding left
         assert row[diff] < 1e-5 and abs(row[ratio] - 1.0) < 1e-4, row
         assert row["replay/support_exact_fraction"] == 1.0
+        # trl.routes: the replayed forward ran on the rollout's experts; the trainer's own routers
+        # are measured too (float32 both sides here: near 1, not asserted exactly)
+        assert row["replay/route_agreement"] == 1.0 and 0.5 < row["replay/router_agreement"] <= 1.0, row
+    assert "router agree" in proc.stdout and "routes agree" in proc.stdout
     assert replay[1]["kl"] > 0  # beta > 0 and the policy moved
     for name, probe in doc["meta"]["probes"].items():
         # the engine holds the trained weights (not the start's): the demo's weight sync works

@@ -144,21 +144,35 @@ class Recorder:
             micro_batch["inputs"] = inputs
             return inputs
 
-        def observed_training_step(model, *args, **kwargs):
+        compute_loss = trainer.compute_loss
+        recorded: dict[str, Any] = {}
+
+        def observed_compute_loss(*args, **kwargs):
+            # the recording spans the micro-batch's forward only: around training_step it would
+            # also span TRL's generation, where trl.routes records (recordings do not nest)
             from replay_plugin.fsdp import record_routes
 
+            with record_routes(trainer.model) as used:
+                loss = compute_loss(*args, **kwargs)
+            recorded["used"] = used
+            return loss
+
+        def observed_training_step(model, *args, **kwargs):
             if not routes:
                 return training_step(model, *args, **kwargs)
-            with record_routes(trainer.model) as used:
-                loss = training_step(model, *args, **kwargs)
+            recorded.clear()
+            loss = training_step(model, *args, **kwargs)
             inputs = micro_batch.pop("inputs", None)
-            if inputs is not None and "replay_routes" in inputs and used.routes is not None:
+            used = recorded.get("used")
+            if inputs is not None and "replay_routes" in inputs and used is not None and used.routes is not None:
                 recorder.steps.append(_route_agreement(trainer, inputs, used))
             return loss
 
         trainer._generate_and_score_completions = observed_generate_and_score
         trainer._prepare_inputs = observed_prepare_inputs
         trainer.training_step = observed_training_step
+        if routes:
+            trainer.compute_loss = observed_compute_loss
         deliver = rollout.Rollout.deliver
 
         def delivering(self, completions):

@@ -51,9 +51,15 @@ def test_step_rows_merge_entries_of_one_step():
     assert rows == [{"step": 3, "loss": 1.0, "eval_reward": 0.5}]
 
 
-def test_route_key_is_found_only_when_logged():
-    assert demo.route_key(["kl", demo.RATIO]) is None
-    assert demo.route_key(["kl", "replay/route_agreement"]) == "replay/route_agreement"
+def test_route_keys_are_found_only_when_logged():
+    from replay_plugin.trl import routes
+
+    assert demo.route_keys(["kl", demo.RATIO]) == []
+    assert demo.route_keys(["kl", "replay/route_agreement"]) == ["replay/route_agreement"]
+    # the names trl.routes logs: both found, once each, the own routers' first
+    logged = [routes.METRIC_ROUTE_AGREEMENT, routes.METRIC_ROUTER_AGREEMENT, routes.METRIC_ROUTE_AGREEMENT]
+    assert demo.route_keys(logged) == [routes.METRIC_ROUTER_AGREEMENT, routes.METRIC_ROUTE_AGREEMENT]
+    assert [demo.route_label(k) for k in demo.route_keys(logged)] == ["router agree", "routes agree"]
 
 
 def test_table_has_a_line_per_run_and_step_and_a_route_column_only_when_logged():
@@ -71,6 +77,10 @@ def test_table_has_a_line_per_run_and_step_and_a_route_column_only_when_logged()
     assert "routes agree" in text.splitlines()[0]
     assert text.splitlines()[4].split()[-1] == "87.5%"
     assert text.splitlines()[2].split()[-1] == "-"
+    replay[0]["replay/router_agreement"] = 0.75  # trl.routes logs both: a column each
+    lines = demo.table({"stock": stock, "replay": replay}).splitlines()
+    assert lines[0].split()[-4:] == ["router", "agree", "routes", "agree"]
+    assert lines[4].split()[-2:] == ["75.0%", "87.5%"] and lines[5].split()[-2:] == ["-", "-"]
 
 
 def test_document_is_json_with_runs_and_meta_and_no_nan(tmp_path):
@@ -95,6 +105,10 @@ def test_plot_panels_are_the_five_metrics_plus_routes_when_logged():
     panels = demo.plot_panels({"stock": stock, "replay": replay})
     assert panels[-1][0] == "replay/route_agreement"
     assert panels[-1][1]["stock"] == ([], []) and panels[-1][1]["replay"] == ([1, 2], [0.9, 0.9])
+    replay[0]["replay/router_agreement"] = 0.8
+    panels = demo.plot_panels({"stock": stock, "replay": replay})
+    assert [m for m, _ in panels[-2:]] == ["replay/router_agreement", "replay/route_agreement"]
+    assert panels[-2][1]["replay"] == ([1], [0.8])
 
 
 def test_write_plot_writes_a_png(tmp_path):

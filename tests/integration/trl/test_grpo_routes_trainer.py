@@ -16,7 +16,10 @@ rotated by one expert.
 - routes a generation backend delivers into the rollout (the test's subclass stands in for vLLM's,
   which tests/integration/trl's vLLM tests use): trl.rollout_batch lays them on TRL's padded grid
   (no route exactly where TRL pads) and TRL's old-policy pass replays them chunk by chunk (own
-  routes: old logprobs within 1e-5 of the run without; rotated: off by more than 1e-3).
+  routes: old logprobs within 1e-5 of the run without; rotated: off by more than 1e-3), and
+  TRL logs the agreement trl.routes measured there: ``replay/router_agreement`` (the trainer's own
+  routers) 1.0 for own routes and 0.0 for rotated ones, ``replay/route_agreement`` (the replayed
+  forward) 1.0 for both.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import trl_harness as H  # noqa: E402
 from support.upstream import need  # noqa: E402
 
 NUMBERS = ("loss", "grad_norm", "entropy", "aux_loss")
+ROUTER, ROUTE = "replay/router_agreement", "replay/route_agreement"
 
 
 def _run(model_dir: str, output_dir: str, routes: str | None, **overrides) -> list[dict]:
@@ -101,7 +105,9 @@ def test_routes_replayed_through_training_step(model_dir, tmp_path):
     )
 
 
-def _run_rollout_routes(model_dir: str, output_dir: str, routes: str | None) -> tuple[dict, list[dict]]:
+def _run_rollout_routes(
+    model_dir: str, output_dir: str, routes: str | None, outer_recording: bool = False
+) -> tuple[dict, list[dict]]:
     """A run whose generation backend returns routes: the test's subclass stands in for one (TRL's
     HF generate returns none) by delivering, per completion, the experts the model picks for its
     unpadded prompt + completion into the rollout ``trl.rollout_batch`` opened (``rollout``'s
@@ -138,6 +144,13 @@ def _run_rollout_routes(model_dir: str, output_dir: str, routes: str | None) -> 
             self.batches.append(out)
             return out
 
+        def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+            if not outer_recording:
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+            # a recording of the caller's around every TRL scoring pass, the old-policy one too
+            with record_routes(self.accelerator.unwrap_model(self.model)):
+                return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
     trainer = RoutingBackend(
         model=model_dir,
         reward_funcs=H.length_reward,
@@ -151,13 +164,15 @@ def _run_rollout_routes(model_dir: str, output_dir: str, routes: str | None) -> 
     return batch, [h for h in trainer.state.log_history if "loss" in h]
 
 
-def test_rollout_routes_reach_the_batch_and_every_pass(model_dir, tmp_path):
+def test_rollout_routes_reach_the_batch_and_every_pass(model_dir, tmp_path, monkeypatch):
     """Routes delivered by a backend: TRL's batch carries them on its padded grid, TRL's old-policy
     pass over the fresh generation replays them chunk by chunk, and the training steps too."""
     need("trl")
     base, base_steps = _run_rollout_routes(model_dir, str(tmp_path / "base"), None)
     own, own_steps = _run_rollout_routes(model_dir, str(tmp_path / "own"), "own")
     rotated, rotated_steps = _run_rollout_routes(model_dir, str(tmp_path / "rotated"), "rotated")
+    monkeypatch.setenv("REPLAY_PLUGIN_TRL_ROUTER_AGREEMENT", "0")  # trl.routes' knob: no own-router forward
+    _, quiet_steps = _run_rollout_routes(model_dir, str(tmp_path / "quiet"), "rotated")
     assert "replay_routes" not in base
     grid = own["replay_routes"]
     mask = own["replay_router_padding_mask"]
@@ -172,6 +187,29 @@ def test_rollout_routes_reach_the_batch_and_every_pass(model_dir, tmp_path):
     assert (rotated["old_per_token_logps"] - base["old_per_token_logps"])[m].abs().max().item() > 1e-3
     assert own_steps[0]["grad_norm"] == pytest.approx(base_steps[0]["grad_norm"], rel=1e-6)
     assert rotated_steps[0]["grad_norm"] != pytest.approx(base_steps[0]["grad_norm"], rel=1e-4)
+    # TRL's logged metrics (one generation: step 1's entry): the trainer's own routers agree with
+    # its own routes and never with rotated ones; the replayed forward used the rollout's experts
+    agree = {
+        name: [(s.get(ROUTER), s.get(ROUTE)) for s in steps]
+        for name, steps in (("base", base_steps), ("own", own_steps), ("rotated", rotated_steps))
+    }
+    print(f"(router_agreement, route_agreement) per step: {agree}")
+    assert agree["base"] == [(None, None)] * 2  # no routes asked: nothing measured, nothing logged
+    assert agree["own"] == [(1.0, 1.0), (None, None)]
+    assert agree["rotated"] == [(0.0, 1.0), (None, None)]
+    assert [(s.get(ROUTER), s.get(ROUTE)) for s in quiet_steps] == [(None, 1.0), (None, None)]
+    for q, r in zip(quiet_steps, rotated_steps):  # the extra forward changes none of TRL's numbers
+        for key in NUMBERS:
+            assert q[key] == r[key], (key, q[key], r[key])
+    # a recording of the caller's open across the old-policy pass: not measured (recordings do not
+    # nest), said in a warning; replay and TRL's numbers unchanged
+    monkeypatch.delenv("REPLAY_PLUGIN_TRL_ROUTER_AGREEMENT")
+    with pytest.warns(UserWarning, match="not measured for this generation"):
+        _, outer_steps = _run_rollout_routes(model_dir, str(tmp_path / "outer"), "rotated", outer_recording=True)
+    assert [(s.get(ROUTER), s.get(ROUTE)) for s in outer_steps] == [(None, None)] * 2
+    for o, r in zip(outer_steps, rotated_steps):
+        for key in NUMBERS:
+            assert o[key] == r[key], (key, o[key], r[key])
 
 
 def torch_cat(a, b):

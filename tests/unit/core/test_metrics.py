@@ -478,3 +478,13 @@ def test_readme_block_mismatch_metrics():
     )
     want = reference(t.double(), q.double(), mask, trainer_routes=trainer, rollout_routes=rollout)
     assert_matches(ns["logged"], {f"actor/{k}": v for k, v in want.items()}, rtol=2e-4, atol=1e-7)
+
+
+def test_same_expert_sets_is_order_free_per_layer_on_any_leading_shape():
+    from replay_plugin.core.metrics import same_expert_sets
+
+    rollout = torch.tensor([[[1, 2], [3, 4]], [[5, 6], [7, 0]], [[1, 3], [2, 4]]], dtype=torch.uint8)  # [3, L=2, K=2]
+    trainer = torch.tensor([[[2, 1], [3, 4]], [[5, 7], [0, 7]], [[1, 3], [2, 5]]], dtype=torch.int64)
+    want = torch.tensor([[True, True], [False, True], [True, False]])
+    assert torch.equal(same_expert_sets(trainer, rollout), want)
+    assert torch.equal(same_expert_sets(trainer[None], rollout[None]), want[None])  # [1, 3, L]
