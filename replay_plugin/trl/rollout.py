@@ -67,7 +67,9 @@ class Rollout:
 
         Raises:
             ReplayDataError: another number of completions, rows for other tokens or another
-                number of tokens, routes of another length; naming the completion (and token).
+                number of tokens, a row that is not the sampler's exact support (the trainer would
+                renormalise over another support without a word), routes of another length; naming
+                the completion (and token).
         """
         if len(self.completions) != len(completion_ids):
             raise ReplayDataError(
@@ -92,6 +94,19 @@ class Rollout:
                         "replay_support",
                         f"completion {i}, token {t}: the row was captured for token {int(sampled[t])}, "
                         f"TRL's completion has {int(ids[t])}",
+                    )
+                inexact = np.flatnonzero(~np.asarray(got.rows.exact, dtype=bool))
+                if inexact.size:
+                    t = int(inexact[0])
+                    raise ReplayDataError(
+                        "replay_support",
+                        f"completion {i}: {inexact.size} of {len(ids)} rows are not the sampler's exact support "
+                        f"(token {t}: more tokens tie at the top_k-th logit than the {got.rows.ids.shape[1]} ids of "
+                        "a row hold, or the row lacks the sampled token)",
+                        trajectory=i,
+                        token=t,
+                        expected="exact rows: raise replay_sample_support_slack in the switch "
+                        f"(row width top_k + slack = {got.rows.ids.shape[1]})",
                     )
             if self.ask.routes and prompt_ids is not None:
                 if got.routes is None:

@@ -36,6 +36,19 @@ def test_routes_grid_left_pads_prompts_and_right_pads_completions():
     np.testing.assert_array_equal(rollout.support_grid(r, 3)[:, :, 0], [[5, -1, -1], [6, 7, -1]])
 
 
+def test_check_refuses_an_inexact_row_naming_the_completion_and_token():
+    """A row flagged inexact (more ties at the k-th logit than the slack holds) would be trained on
+    as if it were the sampler's support: refused where every backend's rows are checked."""
+    inexact = _rows([5, 6, 7])
+    inexact.exact[1] = False
+    r = rollout.Rollout(Ask(support=True))
+    r.deliver([rollout.Completion(rows=_rows([4])), rollout.Completion(rows=inexact)])
+    with pytest.raises(ReplayDataError, match="completion 1: 1 of 3 rows are not the sampler's exact") as info:
+        r.check([[4], [5, 6, 7]])
+    assert (info.value.trajectory, info.value.token) == (1, 1)
+    assert "replay_sample_support_slack" in str(info.value)
+
+
 def test_check_refuses_routes_of_another_length_naming_the_completion():
     r = rollout.Rollout(Ask(routes=True))
     r.deliver([rollout.Completion(routes=np.zeros((2, 1, 2), np.uint8))])
