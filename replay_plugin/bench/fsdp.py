@@ -53,12 +53,14 @@ ROUTES_QUICK = {
 BYTES_PER_CANDIDATE = 64
 
 
-def _model(shape: dict):
+def _model(shape: dict, **config: Any) -> Any:
+    """The benchmarks' random Qwen3-MoE (float32) of ``shape`` (hidden, layers, experts, vocab,
+    seq; top_k optional); ``config`` overrides or adds Qwen3MoeConfig fields (bench trl)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     h = shape["hidden"]
-    config = Qwen3MoeConfig(
+    fields = dict(
         vocab_size=shape["vocab"],
         hidden_size=h,
         intermediate_size=2 * h,
@@ -72,12 +74,13 @@ def _model(shape: dict):
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=4 * shape["seq"],
+        max_position_embeddings=4 * shape.get("seq", 0),
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
+    fields.update(config)
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(config).to(torch.float32)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)).to(torch.float32)
 
 
 def _batch(shape: dict) -> dict:

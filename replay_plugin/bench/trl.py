@@ -42,32 +42,17 @@ OVERHEAD_GOAL = "<= 0.1"
 
 
 def _model(shape: dict) -> Any:
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from .fsdp import _model as qwen3_moe
 
-    h = shape["hidden"]
-    config = Qwen3MoeConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=h,
-        intermediate_size=2 * h,
-        moe_intermediate_size=h,
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        head_dim=max(h // 4, 16),
-        num_experts=shape["experts"],
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
+    return qwen3_moe(
+        shape,
+        head_dim=max(shape["hidden"] // 4, 16),
         max_position_embeddings=2 * (shape["prompt"] + shape["completion"]),
-        tie_word_embeddings=False,
+        attn_implementation=None,  # TRL's choice (transformers' default), as before
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=0,
     )
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(config).to(torch.float32)
 
 
 def _trainer(model: Any, out_dir: str) -> Any:
