@@ -36,6 +36,11 @@ PROMPTS = [
     "symbols + - * /",
 ]
 OPT_IN = {"replay_sample_support": True}
+# Tokens per request of the full-width oracle comparison (40 requests, three generate calls).
+# Model Runner V2 under Triton's interpreter (REPLAY_TEST_MRV2, envs/envs.toml) costs ~2.6 s per
+# engine step on this machine: 8 tokens there (320 compared positions per run, ties at the k-th
+# logit still on most of them) halve the fixture (~140 s -> ~70 s per MRV2 environment).
+ORACLE_TOKENS = 8 if os.environ.get("REPLAY_TEST_MRV2") == "1" else 16
 
 
 def _params(seed0: int = 0, n: int = len(PROMPTS), **kw):
@@ -203,15 +208,16 @@ def full_width_runs(llm):
     from replay_plugin.vllm.batch_rows import batch_stats
 
     prompts = PROMPTS * len(SETTINGS)
+    settings = [dict(max_tokens=ORACLE_TOKENS, **s) for s in SETTINGS]
     with stock_vllm():  # stock: the support is only recoverable at full width, per request
-        stock = _generate(llm, [p for s in SETTINGS for p in _params(extra_args=OPT_IN, **s)], prompts)
+        stock = _generate(llm, [p for s in settings for p in _params(extra_args=OPT_IN, **s)], prompts)
     assert all(support_of(o, required=False) is None for o in stock)
     unpacked = batch_stats()["unpacked"]
-    captured = _generate(llm, [p for s in SETTINGS for p in _params(extra_args=OPT_IN, **s)], prompts)
+    captured = _generate(llm, [p for s in settings for p in _params(extra_args=OPT_IN, **s)], prompts)
     # the engine core (its own process) sent each step's captured rows in one batch
     # (vllm.batch_rows); this front end gave every output its rows back
     unpacked = batch_stats()["unpacked"] - unpacked
-    oracle_outs = _generate(llm, [p for s in SETTINGS for p in _oracle_params(**s)], prompts)
+    oracle_outs = _generate(llm, [p for s in settings for p in _oracle_params(**s)], prompts)
     n = len(PROMPTS)
     runs = {
         i: (
@@ -244,7 +250,7 @@ def test_rows_equal_the_full_width_oracle(full_width_runs, setting):
             assert rows.exact[i] and int(rows.sampled[i]) in members
             assert rows.sampled_logprob[i] == pytest.approx(position[int(rows.sampled[i])], abs=1e-6)
             checked += 1
-    assert checked >= len(PROMPTS) * 8
+    assert checked >= len(PROMPTS) * ORACLE_TOKENS // 2
     assert unpacked >= positions_in_all // 2, (unpacked, positions_in_all)
 
 
