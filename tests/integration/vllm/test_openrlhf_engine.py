@@ -13,7 +13,9 @@ B.2/B.3):
   subprocess). Not reproduced: ``worker_extension_cls`` (OpenRLHF's weight-sync worker, an
   openrlhf module), ``dtype="bfloat16"`` (float32 here: vLLM on CPU), ``enforce_eager`` True
   (OpenRLHF's ``--vllm.enforce_eager``; its default compiles the model, minutes on CPU),
-  ``gpu_memory_utilization`` (a GPU setting).
+  ``gpu_memory_utilization`` (a GPU setting); ``enable_prefix_caching`` is OpenRLHF's default
+  (off) except for routes on vLLM 0.31+, whose routes connector requires it (on there, as
+  ``--vllm.enable_prefix_caching`` sets it).
 - ``RolloutRayActor.generate``: ``engine.generate(TokensPrompt(prompt_token_ids=...),
   deepcopy(sampling_params), request_id=random_uuid())`` iterated to the final ``RequestOutput``.
 - ``SamplesGenerator._dispatch_prompts_to_vllm``: ``SamplingParams(temperature, top_p,
@@ -67,7 +69,7 @@ async def main():
     # create_vllm_engines' actor_kwargs (tensor_parallel_size 1), the IS-correction branch
     engine_args = vllm.AsyncEngineArgs(
         model=model, enforce_eager=True, tensor_parallel_size=1, seed=0,
-        distributed_executor_backend="uni", max_model_len=256, enable_prefix_caching=False,
+        distributed_executor_backend="uni", max_model_len=256, enable_prefix_caching=sys.argv[5] == "1",
         dtype="float32", trust_remote_code=True, enable_sleep_mode=False,
         logprobs_mode="processed_logprobs", max_logprobs=1,
     )
@@ -131,12 +133,22 @@ asyncio.run(main())
 """
 
 
+def _prefix_caching_for_routes() -> bool:
+    """vLLM 0.31+ returns routes through Model Runner V2's AuxOutput connector, which refuses a
+    configuration without prefix caching ("AuxOutput Connector requires prefix caching"): OpenRLHF's
+    ``--vllm.enable_prefix_caching`` (off by default) must be on there. 0.30 returns them without."""
+    import vllm
+    from packaging.version import Version
+
+    return routes_supported() and Version(vllm.__version__).release[:2] >= (0, 31)
+
+
 def _run(model: str, mode: str, env: dict) -> dict:
     OfflineEngine.shutdown()  # never two engines at once
     proc = run_python(
         SCRIPT,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", **env},
-        args=(model, mode, str(MAX_TOKENS), str(TOP_K)),
+        args=(model, mode, str(MAX_TOKENS), str(TOP_K), "1" if _prefix_caching_for_routes() else "0"),
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -219,19 +231,22 @@ def test_routes_knob_fits_the_engine(runs):
 
 def test_routes_knob_fit_in_the_configuration(tie_model, monkeypatch):
     """No engine started: the configuration ``REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS=all``
-    creates (every vLLM line; 0.28/0.29 then fail at engine start on CPU with vLLM's own error):
+    creates (0.28/0.29 then fail at engine start on CPU with vLLM's own error, 0.31+ on Model
+    Runner V1 when the configuration is built):
     routes on, eager on the CPU platform (vllm-cpu 0.30's compiled model returns expert 0 for every
     route), the caller's EngineArgs untouched; without the knob (its default ``opt-in``) nothing
     changes."""
     need("vllm")
+    import vllm
+    from packaging.version import Version
     from vllm.engine.arg_utils import EngineArgs
 
     import replay_plugin
 
     replay_plugin.activate()
 
-    def config():
-        args = EngineArgs(model=tie_model, dtype="float32", max_model_len=256, max_logprobs=1)
+    def config(**kw):
+        args = EngineArgs(model=tie_model, dtype="float32", max_model_len=256, max_logprobs=1, **kw)
         cfg = args.create_engine_config()
         assert (args.enable_return_routed_experts, args.enforce_eager, args.max_logprobs) == (False, False, 1)
         holder = getattr(cfg, "aux_output_config", None) or cfg.model_config
@@ -241,4 +256,13 @@ def test_routes_knob_fit_in_the_configuration(tie_model, monkeypatch):
     monkeypatch.delenv("REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS", raising=False)
     assert config() == (False, False, 1)
     monkeypatch.setenv("REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS", "all")
-    assert config() == (True, True, 1)  # routes only: the logprob settings are the caller's
+    if Version(vllm.__version__).release[:2] >= (0, 31) and not routes_supported():
+        # 0.31+ returns routes through Model Runner V2's AuxOutput connector only: vLLM refuses
+        # the fitted configuration itself on Model Runner V1 (vllm-cpu without Triton)
+        with pytest.raises(ValueError, match="requires Model Runner V2"):
+            config()
+    else:
+        assert config() == (True, True, 1)  # routes only: the logprob settings are the caller's
+    if _prefix_caching_for_routes():  # OpenRLHF's default: prefix caching off (see above)
+        with pytest.raises(ValueError, match="requires prefix caching"):
+            config(enable_prefix_caching=False)
