@@ -220,6 +220,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(f"replay-plugin {report['version']} in {report['python']}")
         print("upstreams: " + (", ".join(report["upstreams"]) or "none installed"))
+        for pairing in report["pairings"]:
+            print(f"pairing: {pairing}")
         for note in report["notes"]:
             print(f"note: {note}")
         for finding in report["findings"]:

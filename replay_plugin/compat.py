@@ -127,11 +127,29 @@ class MatrixPatch:
 
 
 @dataclass(frozen=True)
+class Pairing:
+    """The vLLM an RL framework's own install brings (an install extra's requirement), and what
+    the plugin does with that framework there. Rendered into README.md and
+    docs/reference/versions.md (scripts/sync.py, with the vLLM's tier and the test environments
+    that install it); ``replay-plugin doctor`` prints it when the framework is installed."""
+
+    framework: str  # the framework's distribution name (what `pip install` takes)
+    version: str
+    extra: str  # the framework's install extra that brings vLLM
+    vllm: SpecifierSet  # what that extra requires of vllm
+    plugin: str  # what the plugin does for this framework with that vLLM
+
+    def label(self) -> str:
+        return f"{self.framework} {self.version} [{self.extra}]"
+
+
+@dataclass(frozen=True)
 class Matrix:
     upstreams: dict[str, Upstream]
     patches: dict[str, MatrixPatch]
     path: str = ""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+    pairings: tuple[Pairing, ...] = ()
 
 
 # --------------------------------------------------------------------------- versions
@@ -619,12 +637,74 @@ def parse(raw: Any, path: str = "<matrix>") -> Matrix:
         raise CompatMatrixError(f"{path}: top level must be a mapping")
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise CompatMatrixError(f"{path}: schema_version must be {SCHEMA_VERSION}, got {raw.get('schema_version')!r}")
-    extra = set(raw) - {"schema_version", "upstreams", "patches"}
+    extra = set(raw) - {"schema_version", "upstreams", "patches", "pairings"}
     if extra:
         raise CompatMatrixError(f"{path}: unknown top-level keys {sorted(extra)}")
     upstreams = {key: _parse_upstream(key, value) for key, value in _mapping(raw, "upstreams", path).items()}
     patches = {name: _parse_patch(name, value, upstreams) for name, value in _mapping(raw, "patches", path).items()}
-    return Matrix(upstreams=upstreams, patches=patches, path=path, raw=raw)
+    pairings = _parse_pairings(raw.get("pairings", []), path)
+    return Matrix(upstreams=upstreams, patches=patches, path=path, raw=raw, pairings=pairings)
+
+
+_PAIRING_KEYS = {"framework", "version", "extra", "vllm", "plugin"}
+
+
+def _parse_pairings(value: Any, path: str) -> tuple[Pairing, ...]:
+    if not isinstance(value, list):
+        raise CompatMatrixError(f"{path}: 'pairings' must be a list")
+    out: list[Pairing] = []
+    for i, entry in enumerate(value):
+        where = f"pairings[{i}]"
+        if not isinstance(entry, dict) or set(entry) != _PAIRING_KEYS:
+            got = sorted(entry) if isinstance(entry, dict) else entry
+            keys = sorted(_PAIRING_KEYS)
+            raise CompatMatrixError(f"{where}: must be a mapping with exactly the keys {keys}, got {got}")
+        version = _str(entry, "version", where)
+        try:
+            parse_version(version)
+        except CompatMatrixError as exc:
+            raise CompatMatrixError(f"{where}: {exc}") from None
+        pairing = Pairing(
+            framework=_str(entry, "framework", where),
+            version=version,
+            extra=_str(entry, "extra", where),
+            vllm=_spec(entry, "vllm", where),
+            plugin=" ".join(_str(entry, "plugin", where).split()),
+        )
+        if any(p.label() == pairing.label() for p in out):
+            raise CompatMatrixError(f"{where}: {pairing.label()} is listed twice")
+        out.append(pairing)
+    return tuple(out)
+
+
+def pinned_version(spec: SpecifierSet) -> str | None:
+    """The version an exact requirement (``==X``) pins, else None (a range)."""
+    specs = list(spec)
+    if len(specs) == 1 and specs[0].operator in ("==", "===") and "*" not in specs[0].version:
+        return str(specs[0].version)
+    return None
+
+
+def pairing_tiers(upstream: Upstream, spec: SpecifierSet) -> str:
+    """In words, what the plugin's matrix says about the vLLM versions ``spec`` admits: the tier of
+    a pinned version, or for a range its tested and source-verified releases and the part outside
+    the plugin's range."""
+    pinned = pinned_version(spec)
+    if pinned is not None:
+        tier = str(version_tier(upstream, pinned))
+        return f"{tier} (the plugin supports {format_spec(upstream.supported)})" if tier == "unsupported" else tier
+    parts = []
+    for tier, versions in (("tested", upstream.tested), ("source-verified", list(upstream.source_verified))):
+        inside = [v for v in versions if version_in(v, spec)]
+        if inside:
+            parts.append(f"{tier}: {', '.join(inside)}")
+    lows = [s.version for s in upstream.supported if s.operator == ">="]
+    if lows and any(s.operator in (">=", ">") and parse_version(s.version) < parse_version(lows[0]) for s in spec):
+        parts.append(f"unsupported below {lows[0]}")
+    highs = [s.version for s in upstream.supported if s.operator == "<"]
+    if highs and not any(s.operator in ("<", "<=", "==") for s in spec):
+        parts.append(f"unsupported from {highs[0]}")
+    return "; ".join(parts) or "no release of the range is tested or source-verified"
 
 
 def _mapping(obj: Mapping, key: str, where: str) -> dict:

@@ -160,6 +160,47 @@ def check_ray(environ: Mapping[str, str]) -> list[Finding]:
     ]
 
 
+def _installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_pairings(installed: Callable[[str], str | None] = _installed) -> list[str]:
+    """For each RL framework of the matrix's ``pairings`` that is installed (``installed``: a
+    distribution's version, None when absent): the vLLM its install extra brings, the installed
+    vLLM beside that pin with the plugin's tier for it, and what the plugin does for that
+    framework there. A framework release the matrix has no pairing for gets the recorded ones."""
+    from . import compat
+
+    matrix = compat.load()
+    vllm = matrix.upstreams["vllm"]
+    have = next(((d, v) for d in vllm.distributions if (v := installed(d)) is not None), None)
+    out: list[str] = []
+    for framework in dict.fromkeys(p.framework for p in matrix.pairings):
+        version = installed(framework)
+        if version is None:
+            continue
+        rows = [p for p in matrix.pairings if p.framework == framework]
+        same = [p for p in rows if compat.parse_version(p.version).public == compat.parse_version(version).public]
+        recorded = rows[0].version
+        lead = "" if same else f"{framework} {version} is installed; the matrix records the pairing of {recorded}: "
+        for p in same or rows:
+            pin = f"vllm{compat.format_spec(p.vllm)}"
+            if have is None:
+                beside = "no vLLM is installed here"
+            else:
+                dist, ver = have
+                fits = "meets that pin" if compat.version_in(ver, p.vllm) else "is not what that extra installs"
+                beside = f"installed {dist} {ver} {fits} (the plugin: {compat.version_tier(vllm, ver)} there)"
+            out.append(
+                f"{lead}{p.label()} installs {pin} (the plugin: {compat.pairing_tiers(vllm, p.vllm)}); {beside}; "
+                f"what the plugin does: {p.plugin}"
+            )
+    return out
+
+
 def report(
     *,
     vllm_args: Sequence[str] | None = None,
@@ -207,6 +248,7 @@ def report(
         "findings": [asdict(f) for f in findings],
         "problems": [f.text() for f in findings],
         "notes": notes,
+        "pairings": check_pairings(),
         "ok": not findings,
     }
 

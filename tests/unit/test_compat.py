@@ -115,6 +115,11 @@ def test_shipped_matrix_validates():
             lambda r: r["patches"]["vllm.sampler_rows"].update(retired={">=0.33": "gone"}),
             "vllm 0.33.0 is both in versions <0.34,>=0.28.0 and retired \\(>=0.33\\)",
         ),
+        (lambda r: r.update(pairings={"verl": "0.24"}), "'pairings' must be a list"),
+        (lambda r: r["pairings"][0].pop("extra"), "pairings\\[0\\]: must be a mapping with exactly the keys"),
+        (lambda r: r["pairings"][0].update(vllm="0.24"), "pairings\\[0\\]: 'vllm' is not a PEP 440 specifier set"),
+        (lambda r: r["pairings"][0].update(version="one"), "pairings\\[0\\]: invalid version 'one'"),
+        (lambda r: r["pairings"].append(dict(r["pairings"][0])), "verl 0.9.1 \\[vllm\\] is listed twice"),
     ],
 )
 def test_schema_errors_name_the_entry(mutate, message):
@@ -462,3 +467,24 @@ def test_a_target_whose_module_lacks_a_dependency_is_read_from_source(tmp_path, 
     assert compat.check_fingerprints((name,), {"1.0": {name: "sha256:0"}}, "1.0").state == "drift"
     gone = compat.check_fingerprints(("halfpkg.server:other",), {"1.0": {}}, "1.0")
     assert gone.state == "missing" and "not_installed_dependency_xyz" in gone.detail
+
+
+def test_pairing_tiers_of_a_pin_and_of_a_range():
+    """What the doctor and the generated tables say about the vLLM a framework's extra brings."""
+    up = compat.Upstream(
+        "vllm",
+        "vllm",
+        {"vllm": "vllm"},
+        SpecifierSet(">=0.28.0,<0.35"),
+        ("0.29.0", "0.30.0"),
+        source_verified={"0.28.0": "read"},
+    )
+    assert compat.pinned_version(SpecifierSet("==0.29.0")) == "0.29.0"
+    assert compat.pinned_version(SpecifierSet(">=0.29.0")) is None
+    assert compat.pairing_tiers(up, SpecifierSet("==0.29.0")) == "tested"
+    assert compat.pairing_tiers(up, SpecifierSet("==0.28.0")) == "source-verified"
+    assert compat.pairing_tiers(up, SpecifierSet("==0.24.0")) == "unsupported (the plugin supports >=0.28.0,<0.35)"
+    assert compat.pairing_tiers(up, SpecifierSet(">=0.22.0,<=0.31.0")) == (
+        "tested: 0.29.0, 0.30.0; source-verified: 0.28.0; unsupported below 0.28.0"
+    )
+    assert compat.pairing_tiers(up, SpecifierSet(">=0.29.0")) == "tested: 0.29.0, 0.30.0; unsupported from 0.35"

