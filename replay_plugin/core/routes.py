@@ -27,6 +27,8 @@ __all__ = [
     "ROUTE_DTYPES",
     "TrajectoryRoutes",
     "compact",
+    "RouteGap",
+    "uncaptured_route",
     "padding_rows",
     "pad_batch",
     "select_layers",
@@ -156,6 +158,53 @@ def compact(arr: ArrayLike, *, trajectory: int | None = None) -> np.ndarray:
     if a.dtype == dtype and a.flags.c_contiguous:
         return a
     return np.ascontiguousarray(a, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteGap:
+    """The first route row of an engine's routes that no router can have chosen.
+
+    Attributes:
+        token: row index in the routes (``[T, L, K]``'s first axis).
+        layer: layer index (second axis).
+        row: the row's expert ids.
+        all_zero: every row of every layer is expert 0 (nothing was captured at all).
+    """
+
+    token: int
+    layer: int
+    row: tuple[int, ...]
+    all_zero: bool
+
+
+def uncaptured_route(routes: np.ndarray) -> RouteGap | None:
+    """The first row of engine routes ``[T, L, K]`` that names an expert twice, where top-k >= 2.
+
+    A router's top-k experts of a token are distinct, so such a row was never chosen by a router:
+    the engine's capture buffer (zero-filled) was not written for it, e.g. by a MoE kernel that
+    bypasses the router's capture hook (vLLM #54730). Layers whose every row is all expert 0 are
+    taken for dense (MLP) layers, whose rows the engine leaves zero, as long as another layer holds
+    captured routes; when every layer is all zero the routes are refused (a model has at least one
+    MoE layer). Vectorised (one sort along K); None when nothing is wrong, for top-k < 2 (nothing
+    to see) and for empty routes.
+
+    Args:
+        routes: ``[T, L, K]`` integer expert ids (as :func:`compact` returns them).
+    """
+    if routes.ndim != 3 or routes.shape[2] < 2 or routes.size == 0:
+        return None
+    srt = np.sort(routes, axis=2)
+    dup = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=2)  # [T, L]
+    if not dup.any():
+        return None
+    zero_layer = ~np.asarray(routes.any(axis=(0, 2)))  # [L]: no nonzero id in the layer
+    all_zero = bool(zero_layer.all())
+    if not all_zero:
+        dup &= ~zero_layer[None, :]
+        if not dup.any():
+            return None
+    token, layer = (int(i) for i in np.unravel_index(int(np.argmax(dup)), dup.shape))
+    return RouteGap(token, layer, tuple(int(e) for e in routes[token, layer]), all_zero)
 
 
 def padding_rows(n: int, num_layers: int, topk: int, dtype: Any = np.uint8) -> np.ndarray:

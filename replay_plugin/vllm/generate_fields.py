@@ -133,7 +133,9 @@ async def _full(wrapped, instance, args, kwargs):
         ]
         if not any(fields):
             return response
-        choice_cls = _replay_model(type(response.choices[0]), routed_experts=Any, sample_support=Any)
+        # sampling_mask declared too: GenerateResponseChoice has no such field before vLLM 0.28, and
+        # model_construct drops an undeclared one (the mask _choice_fields fills); harmless where it exists
+        choice_cls = _replay_model(type(response.choices[0]), routed_experts=Any, sample_support=Any, sampling_mask=Any)
         choices = [_rebuild(c, choice_cls, f) for c, f in zip(response.choices, fields)]
         response_cls = _replay_model(type(response), choices=list[choice_cls])
         return _rebuild(response, response_cls, {"choices": choices})

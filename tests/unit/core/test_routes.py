@@ -63,6 +63,38 @@ def test_compact_rejects_with_a_named_token(bad, exc, token) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# routes no router chose (the engine's capture was not written: vLLM #54730)
+
+
+def _router_routes(tokens: int, layers: int, topk: int, experts: int = 8, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([np.stack([rng.permutation(experts)[:topk] for _ in range(layers)]) for _ in range(tokens)]).astype(
+        np.uint8
+    )
+
+
+def test_uncaptured_route_accepts_router_routes_and_dense_layers() -> None:
+    r = _router_routes(6, 3, 2)
+    assert routes.uncaptured_route(r) is None
+    r[:, 0] = 0  # a dense layer: vLLM leaves its rows zero, beside the MoE layers' captured routes
+    assert routes.uncaptured_route(r) is None
+    assert routes.uncaptured_route(np.zeros((5, 2, 1), np.uint8)) is None  # top-1: nothing to see
+    assert routes.uncaptured_route(np.zeros((0, 2, 2), np.uint8)) is None
+
+
+def test_uncaptured_route_names_the_first_impossible_row() -> None:
+    zero = routes.uncaptured_route(np.zeros((4, 2, 2), np.uint8))  # what vLLM returns uncaptured
+    assert zero == routes.RouteGap(token=0, layer=0, row=(0, 0), all_zero=True)
+    r = _router_routes(6, 3, 4)
+    r[4, 2] = [5, 1, 5, 2]
+    assert routes.uncaptured_route(r) == routes.RouteGap(token=4, layer=2, row=(5, 1, 5, 2), all_zero=False)
+    r = _router_routes(6, 3, 2)
+    r[3:, 1] = 0  # a MoE layer whose last tokens were not captured
+    gap = routes.uncaptured_route(r)
+    assert (gap.token, gap.layer, gap.row, gap.all_zero) == (3, 1, (0, 0), False)
+
+
+# ---------------------------------------------------------------------------------------
 # padding rows and batches
 
 
