@@ -113,7 +113,7 @@ def test_shipped_matrix_validates():
         ),
         (
             lambda r: r["patches"]["vllm.sampler_rows"].update(retired={">=0.33": "gone"}),
-            "vllm 0.33.0 is both in versions <0.34,>=0.28.0 and retired \\(>=0.33\\)",
+            "vllm 0.33.0 is both in versions <0.34,>=0.24.0 and retired \\(>=0.33\\)",
         ),
     ],
 )
