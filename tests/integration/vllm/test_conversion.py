@@ -25,7 +25,18 @@ def _vllm():
 # --------------------------------------------------------------------------- native sampling mask
 
 
-def test_native_sampling_mask_rows_on_real_class():
+@pytest.fixture
+def native_mask():
+    """vLLM's native sampling mask (``SamplingMask``, ``SamplingMaskLists``) exists from 0.28 (PR
+    #49577); 0.24-0.27 have none (the plugin reads it with getattr there: never native)."""
+    import vllm
+    from packaging.version import Version
+
+    if Version(vllm.__version__).release < (0, 28):
+        pytest.skip("vLLM's native sampling mask (SamplingMask, SamplingMaskLists) exists from 0.28 (PR #49577)")
+
+
+def test_native_sampling_mask_rows_on_real_class(native_mask):
     from vllm.outputs import SamplingMask
 
     from replay_plugin.vllm.sample_support import rows_from_sampling_mask
@@ -41,7 +52,7 @@ def test_native_sampling_mask_rows_on_real_class():
     assert rows.sampled_logprob.tolist() == pytest.approx([-0.5, -0.1, -2.0])
 
 
-def test_native_sampling_mask_aligns_to_the_delta_and_refuses_short_masks():
+def test_native_sampling_mask_aligns_to_the_delta_and_refuses_short_masks(native_mask):
     from vllm.outputs import SamplingMask
 
     from replay_plugin.vllm.sample_support import rows_from_sampling_mask
@@ -54,7 +65,7 @@ def test_native_sampling_mask_aligns_to_the_delta_and_refuses_short_masks():
         rows_from_sampling_mask(SamplingMask(token_ids=[[1], [2]]), [1, 2, 3], width=2)
 
 
-def test_native_sampling_mask_lists_csr():
+def test_native_sampling_mask_lists_csr(native_mask):
     """The engine-side CSR form (``SamplingMaskLists``) goes through core directly."""
     from vllm.v1.outputs import SamplingMaskLists
 
@@ -387,7 +398,11 @@ def test_routes_survive_a_delta_merge():
 
 def _completion_response():
     from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    try:
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    except ImportError:  # vLLM 0.24-0.26: the OpenAI engine protocol module
+        from vllm.entrypoints.openai.engine.protocol import UsageInfo
 
     choice = CompletionResponseChoice(index=0, text="hi", token_ids=[4, 9], routed_experts="bnB5")
     return CompletionResponse(
