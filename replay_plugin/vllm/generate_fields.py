@@ -12,6 +12,10 @@ for Model Runner V2 work unchanged, plus the plugin's ``sample_support`` envelop
 and ``routed_experts`` as a compact wire envelope (instead of vLLM's base64 ``.npy``), as on the
 OpenAI endpoints. Remove when the native mask works on every runner the supported versions use.
 
+vLLM 0.24 serves the endpoint from ``vllm.entrypoints.serve.disagg.serving`` (0.25 moved it to
+``vllm.entrypoints.scale_out.token_in_token_out``; both generators otherwise 0.25's): there this
+module runs as ``vllm.generate_fields_disagg`` over those targets, and this patch is retired.
+
 vLLM 0.33 added ``output_mode: "derender"`` (the choices as chat messages, parsed by the server's
 reasoning and tool parsers) and 0.34 streams it. When a parser hides the reasoning
 (``parse_context.include_reasoning: false``), vLLM withholds ``token_ids``, ``logprobs`` and
@@ -162,16 +166,41 @@ def _streams_one_choice(generator: Any) -> bool:
     return _one_choice_streams[function]
 
 
+_all_choices_unstreamed: dict[Any, bool] = {}
+
+
+def _unstreamed_keeps_every_choice(generator: Any) -> bool:
+    """Whether a non-streamed request with ``n > 1`` gets every choice back: vLLM 0.29+'s
+    ``serve_tokens`` asks the engine for ``FINAL_ONLY`` outputs (all choices in one); 0.24-0.28
+    leave the default ``CUMULATIVE``, where each engine output holds one choice, and
+    ``serve_tokens_full_generator`` builds the response from the last output only: one choice of
+    ``n`` (stock vLLM, with or without the plugin). Unreadable source counts as losing them."""
+    owner = getattr(getattr(generator, "__self__", None), "serve_tokens", None)
+    if owner is None:
+        return False
+    function = inspect.unwrap(getattr(owner, "__func__", owner))
+    if function not in _all_choices_unstreamed:
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            source = ""
+        _all_choices_unstreamed[function] = "FINAL_ONLY" in source
+    return _all_choices_unstreamed[function]
+
+
 def _refuse_many_choices(request: Any, generator: Any) -> None:
     n = getattr(getattr(request, "sampling_params", None), "n", 1)
     if isinstance(n, int) and n > 1 and _streams_one_choice(generator):
         import vllm
 
+        # vLLM 0.24-0.28 return one choice of n unstreamed (see _unstreamed_keeps_every_choice):
+        # there "stream": false is no fix
+        unstreamed = ' or "stream": false' if _unstreamed_keeps_every_choice(generator) else ""
         raise refusal(
             f"replay_plugin: the request asks for replay data with sampling_params.n={n} on a "
             f"streamed /inference/v1/generate, which vLLM {vllm.__version__} cannot stream for more "
             "than one choice (it fails mid-stream once the second choice arrives); send n=1 (one "
-            'request per sample) or "stream": false',
+            f"request per sample){unstreamed}",
             "n",
             n,
         )

@@ -1,7 +1,9 @@
 """Patch pack for vLLM (entry point ``replay_plugin.patches: vllm``): one row per patch.
 ``vllm.sample_support`` keeps its request admission and its capture in two helper modules and arms
 on ``vllm.engine.arg_utils`` (imported before any engine configuration is created, also by
-``vllm serve``); the served patches share ``served_stream``; refusals share ``refusal``.
+``vllm serve``); the served patches share ``served_stream``; refusals share ``refusal``. The two
+``*_disagg`` rows are ``vllm.served_endpoints`` and ``vllm.generate_fields`` on vLLM 0.24's module
+paths.
 
 What each patch fixes, and how: its module's docstring (the row names it); targets, versions,
 why, upstream fix and remove-when: compat_matrix.yaml, rendered into docs/reference/patches.md;
@@ -27,6 +29,11 @@ PATCHES = {
     "vllm.openai_fields": Patch("replay_plugin.vllm.openai_fields"),
     "vllm.served_endpoints": Patch("replay_plugin.vllm.served_endpoints"),
     "vllm.generate_fields": Patch("replay_plugin.vllm.generate_fields"),
+    # vLLM 0.24 serves /inference/v1/generate from vllm.entrypoints.serve.disagg.serving (0.25 moved
+    # it to scale_out.token_in_token_out): the same wrappers over 0.24's targets (the matrix holds
+    # one target list per patch; request_guard.LINES treats each pair as one patch)
+    "vllm.served_endpoints_disagg": Patch("replay_plugin.vllm.served_endpoints"),
+    "vllm.generate_fields_disagg": Patch("replay_plugin.vllm.generate_fields"),
 }
 
 

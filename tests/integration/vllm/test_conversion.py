@@ -25,14 +25,15 @@ def _vllm():
 # --------------------------------------------------------------------------- native sampling mask
 
 
-@pytest.fixture()
+@pytest.fixture
 def native_mask():
-    """vLLM's native sampling mask (``SamplingMask``, ``SamplingMaskLists``) exists from 0.28."""
+    """vLLM's native sampling mask (``SamplingMask``, ``SamplingMaskLists``) exists from 0.28 (PR
+    #49577); 0.24-0.27 have none (the plugin reads it with getattr there: never native)."""
     import vllm
     from packaging.version import Version
 
     if Version(vllm.__version__).release < (0, 28):
-        pytest.skip(f"vLLM {vllm.__version__} has no native sampling mask (SamplingMask: vLLM 0.28+)")
+        pytest.skip("vLLM's native sampling mask (SamplingMask, SamplingMaskLists) exists from 0.28 (PR #49577)")
 
 
 def test_native_sampling_mask_rows_on_real_class(native_mask):
@@ -400,7 +401,7 @@ def _completion_response():
 
     try:
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
-    except ImportError:  # vLLM 0.27: vllm/entrypoints/openai/engine/protocol.py (moved by 0.29)
+    except ImportError:  # vLLM 0.24-0.27: vllm/entrypoints/openai/engine/protocol.py (moved by 0.29)
         from vllm.entrypoints.openai.engine.protocol import UsageInfo
 
     choice = CompletionResponseChoice(index=0, text="hi", token_ids=[4, 9], routed_experts="bnB5")

