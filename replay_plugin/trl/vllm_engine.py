@@ -35,14 +35,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ..patcher import Patcher
+from ..vllm.request_guard import ROUTES_CAPTURE, SUPPORT_CAPTURE
 from . import switch
 
 log = logging.getLogger("replay_plugin")
 
 PROCESSED = "processed_logprobs"
-#: the vLLM patches an in-process (colocate) engine needs to capture support rows / routes
-SUPPORT_CAPTURE = ("vllm.sample_support", "vllm.engine_admission", "vllm.batch_rows", "vllm.sampler_rows")
-ROUTES_CAPTURE = ("vllm.routed_experts",)
 
 
 def _vocabulary(model: Any) -> int | None:
@@ -115,22 +113,14 @@ def check_capture(ask: switch.Ask) -> None:
     """Refuse (``NotReplayable`` naming the patch's toggle, or ``vllm``) a job whose vLLM capture
     patches would not apply in this process: every opted-in request would be refused later, or,
     below their range, served without rows."""
-    from ..core.errors import NotReplayable
-    from ..registry import would_apply
-    from ..spec import toggle_name
+    from ..vllm.request_guard import refuse_capture_off
 
-    names = (SUPPORT_CAPTURE if ask.support else ()) + (ROUTES_CAPTURE if ask.routes else ())
-    off = [(name, why) for name in names for ok, why in [would_apply(name)] if not ok]
-    if off:
-        name, why = off[0]
-        raise NotReplayable(
-            toggle_name(name) if why.startswith("disabled") else "vllm",
-            f"{switch.WHERE} asks for replay data but the plugin's vLLM capture cannot run in TRL's colocated engine: "
-            + "; ".join(f"patch {n} {w}" for n, w in off)
-            + ". Run a vLLM in the capture patches' range (`replay-plugin matrix`; vllm 0.30 for routes on CPU) with "
-            "their REPLAY_PLUGIN_VLLM_* toggles unset, or drop the switch",
-            value=why,
-        )
+    refuse_capture_off(
+        (SUPPORT_CAPTURE if ask.support else ()) + (ROUTES_CAPTURE if ask.routes else ()),
+        f"{switch.WHERE} asks for replay data",
+        "in TRL's colocated engine",
+        "vllm 0.30 for routes on CPU",
+    )
 
 
 def _on_cpu() -> bool:

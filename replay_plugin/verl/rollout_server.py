@@ -38,6 +38,7 @@ import numpy as np
 
 from ..patcher import Patcher
 from ..vllm.engine_proxy import OutputKeepingEngine, OutputSlot, fitted_max_logprobs
+from ..vllm.request_guard import SUPPORT_CAPTURE
 from . import switch
 
 log = logging.getLogger("replay_plugin")
@@ -102,30 +103,22 @@ def _check_batch_patch() -> None:
 
 #: the vLLM patches that capture the rows for verl's in-process engine (front end, engine core,
 #: scheduler, sampler); any of them off and every opted-in request would fail on its first answer
-CAPTURE = ("vllm.sample_support", "vllm.engine_admission", "vllm.batch_rows", "vllm.sampler_rows")
+CAPTURE = SUPPORT_CAPTURE
 
 
 def _check_capture() -> None:
-    """The switch with a vLLM the capture patches do not cover (verl's ``[vllm]`` extra pins 0.24,
-    below their range) or with one of them switched off: refused where the server starts, before
-    the model loads, naming the patch, its state and the fix (the request guard would refuse each
-    request later; below its range nothing would, and the first answer would lack its rows)."""
-    from ..core.errors import NotReplayable
-    from ..registry import would_apply
-    from ..spec import toggle_name
+    """The switch with a vLLM the capture patches do not cover or with one of them switched off:
+    refused where the server starts, before the model loads, naming the patch, its state and the
+    fix (``vllm.request_guard.refuse_capture_off``)."""
+    from ..vllm.request_guard import refuse_capture_off
 
-    off = [(name, why) for name in CAPTURE for ok, why in [would_apply(name)] if not ok]
-    if off:
-        name, why = off[0]
-        raise NotReplayable(
-            toggle_name(name) if why.startswith("disabled") else "vllm",
-            f"{switch.PREFIX}{switch.SWITCH}=true but the plugin's vLLM capture cannot run here: "
-            + "; ".join(f"patch {n} {w}" for n, w in off)
-            + ". Run a vLLM in the capture patches' range (`replay-plugin matrix`; verl 0.9.1 runs on vLLM 0.30, "
-            "docs/integrations/verl.md#vllm-versions-and-limits) with their REPLAY_PLUGIN_VLLM_* toggles unset, "
-            "or drop the switch",
-            value=why,
-        )
+    refuse_capture_off(
+        CAPTURE,
+        f"{switch.PREFIX}{switch.SWITCH}=true",
+        "here",
+        "verl 0.9.1's [vllm] extra pins vLLM 0.24; routes on CPU need vLLM 0.30, "
+        "docs/integrations/verl.md#vllm-versions-and-limits",
+    )
 
 
 async def _run_server(wrapped, instance, args, kwargs):

@@ -71,6 +71,34 @@ def _fix(name: str, state: str, reason: str) -> str:
     return "see `replay-plugin status --import vllm` and `replay-plugin doctor`"
 
 
+# The patches that capture replay data in a vLLM process (sampler support; routes).
+SUPPORT_CAPTURE = ("vllm.sample_support", "vllm.engine_admission", "vllm.batch_rows", "vllm.sampler_rows")
+ROUTES_CAPTURE = ("vllm.routed_experts",)
+
+
+def refuse_capture_off(names: tuple[str, ...], asker: str, where: str, versions: str) -> None:
+    """Refuse a job whose vLLM capture patches ``names`` would not apply in this process (one
+    switched off, or a vLLM outside their range): raised where a framework starts its engine, before
+    the model loads (the guard would refuse each request later; below their range nothing would,
+    and the first answer would lack its rows). ``NotReplayable`` names the first patch's toggle
+    when it is switched off, else ``vllm``; ``asker`` is what asked for replay data (the
+    framework's switch), ``where`` the engine, ``versions`` which vLLM runs that framework."""
+    from ..core.errors import NotReplayable
+    from ..spec import toggle_name
+
+    off = [(name, why) for name in names for ok, why in [registry.would_apply(name)] if not ok]
+    if off:
+        name, why = off[0]
+        raise NotReplayable(
+            toggle_name(name) if why.startswith("disabled") else "vllm",
+            f"{asker} but the plugin's vLLM capture cannot run {where}: "
+            + "; ".join(f"patch {n} {w}" for n, w in off)
+            + f". Run a vLLM in the capture patches' range (`replay-plugin matrix`; {versions}) with their "
+            "REPLAY_PLUGIN_VLLM_* toggles unset, or drop the switch",
+            value=why,
+        )
+
+
 def missing_patches(wants_support: bool, wants_routes: bool) -> list[str]:
     """The patches this request needs that are not serving in this process, with reason and fix."""
     needed = []
