@@ -141,29 +141,6 @@ def serving_tokens():
     return ServingTokens
 
 
-def xfail_unstreamed_mask_drop(request) -> None:
-    """Strict xfail where vLLM's ``GenerateResponseChoice`` has no ``sampling_mask`` field (0.24-0.27;
-    0.28 added it with the native mask): ``vllm.generate_fields`` puts the mask on each unstreamed
-    choice with pydantic's ``model_construct`` over its own response model, which declares only the
-    plugin's envelopes, so the mask is dropped there (streamed chunks keep it: their JSON is edited).
-    Declaring the field in the plugin's model is helper v27's change (issue 45); once it lands the
-    test passes and this marker fails it (strict): remove the call then."""
-    if disagg_generate():
-        from vllm.entrypoints.serve.disagg.protocol import GenerateResponseChoice
-    else:
-        from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponseChoice
-    if "sampling_mask" not in GenerateResponseChoice.model_fields:
-        import pytest
-
-        request.node.add_marker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="vllm.generate_fields drops sampling_mask from unstreamed choices where vLLM's "
-                "GenerateResponseChoice has no such field (0.24-0.27)",
-            )
-        )
-
-
 def served_patch(name: str) -> str:
     """``vllm.served_endpoints`` / ``vllm.generate_fields``, or its 0.24 twin where that applies."""
     return f"{name}_disagg" if disagg_generate() else name

@@ -21,7 +21,6 @@ from support.vllm_engines import (
     batch_invariant,
     routes_supported,
     serving_tokens,
-    xfail_unstreamed_mask_drop,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -350,7 +349,7 @@ def _generate_body(server, extra_args=None, **kw):
     return {"model": server_model(server), "token_ids": tokens, "sampling_params": params}
 
 
-def test_generate_endpoint_fills_vllms_sampling_mask(server, request):
+def test_generate_endpoint_fills_vllms_sampling_mask(server):
     """vLLM's token-in/token-out endpoint has a ``sampling_mask`` field (per generated token the
     ids the sampler could draw) that only Model Runner V2 fills: null here, stock. Opted in, it
     is filled in vLLM's format (ascending ids), streamed or not, with the plugin's envelopes
@@ -358,7 +357,6 @@ def test_generate_endpoint_fills_vllms_sampling_mask(server, request):
     concatenated, equal the unstreamed ones."""
     from replay_plugin.vllm.client import decode_choice, decode_stream
 
-    xfail_unstreamed_mask_drop(request)
     code, plain, _ = server.post("/inference/v1/generate", _generate_body(server))
     assert code == 200, plain
     choice = plain["choices"][0]

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import readme_blocks
 from support.upstream import need
-from support.vllm_engines import xfail_unstreamed_mask_drop
 from test_served import server_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,9 +27,8 @@ def test_stream_block(server):
     assert all(tok in row for tok, row in zip(tokens, support.ids.tolist()))
 
 
-def test_generate_block(server, request):
+def test_generate_block(server):
     need("vllm")
-    xfail_unstreamed_mask_drop(request)
     ns = readme_blocks.run("served-generate", {"url": server.base, "m": server_model(server)})
     choice, support = ns["choice"], ns["replay"].support
     mask = choice["sampling_mask"]
