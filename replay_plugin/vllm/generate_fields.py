@@ -119,6 +119,7 @@ async def _full(wrapped, instance, args, kwargs):
     if getattr(request, "output_mode", None) == "derender":
         chat = _optional_arg(args, kwargs, "derender_request", 5)
         _refuse_hidden_reasoning(request, chat is not None and not getattr(chat, "include_reasoning", True))
+    _refuse_lost_choices(request, wrapped)
     last: list[Any] = []
 
     async def tap(results):
@@ -186,6 +187,25 @@ def _unstreamed_keeps_every_choice(generator: Any) -> bool:
             source = ""
         _all_choices_unstreamed[function] = "FINAL_ONLY" in source
     return _all_choices_unstreamed[function]
+
+
+def _refuse_lost_choices(request: Any, generator: Any) -> None:
+    """An unstreamed ``n > 1`` request where vLLM answers with one choice of ``n`` (0.24-0.28,
+    :func:`_unstreamed_keeps_every_choice`): stock vLLM drops the other samples silently; asked
+    for replay data, refused before compute naming ``n`` (the caller would train on a batch
+    missing samples it asked for)."""
+    n = getattr(getattr(request, "sampling_params", None), "n", 1)
+    if isinstance(n, int) and n > 1 and not _unstreamed_keeps_every_choice(generator):
+        import vllm
+
+        raise refusal(
+            f"replay_plugin: the request asks for replay data with sampling_params.n={n} on an "
+            f"unstreamed /inference/v1/generate, where vLLM {vllm.__version__} returns only one of the "
+            f"{n} choices (its serve_tokens leaves the engine's outputs CUMULATIVE, one choice each; "
+            "vLLM 0.29+ asks for FINAL_ONLY); send n=1 (one request per sample), or run vLLM 0.29+",
+            "n",
+            n,
+        )
 
 
 def _refuse_many_choices(request: Any, generator: Any) -> None:

@@ -570,16 +570,6 @@ def _streams_many_generate_choices() -> bool:
     return "[0] * len(res.outputs)" not in source
 
 
-def _full_generate_keeps_the_last_choice() -> bool:
-    """vLLM 0.27/0.28's ``serve_tokens`` leaves non-streamed requests CUMULATIVE (0.29 sets
-    FINAL_ONLY), and the full generator answers with the last output, which then holds one choice."""
-    import inspect
-
-    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
-
-    return "FINAL_ONLY" not in inspect.getsource(inspect.unwrap(ServingTokens.serve_tokens))
-
-
 def test_streamed_generate_with_many_choices(server):
     """Streamed /inference/v1/generate with n=2. vLLM 0.30/0.31 fail mid-stream when the second
     choice arrives (an error event, then [DONE]: stock, as a request without replay keys shows);
@@ -607,18 +597,15 @@ def test_streamed_generate_with_many_choices(server):
             assert '"stream": false' not in message, message
             code, doc, _ = server.post("/inference/v1/generate", _generate_body(server, None, n=2))
             assert code == 200 and len(doc["choices"]) == 1, doc
+            # asked for replay data, the lost samples are refused before compute, naming n
+            code, doc, _ = server.post("/inference/v1/generate", body)
+            assert code == 400, doc
+            message = doc["error"]["message"]
+            assert "sampling_params.n=2" in message and "returns only one of the 2 choices" in message, doc
             return
         assert '"stream": false' in message, docs
-        code, doc, _ = server.post("/inference/v1/generate", body)  # unstreamed n=2 is served
-        if _full_generate_keeps_the_last_choice():
-            # vLLM 0.27/0.28: the unstreamed generator answers with the last engine output only, and
-            # non-streamed requests are CUMULATIVE there (FINAL_ONLY from 0.29): each output holds one
-            # choice, so n=2 returns one choice, stock too (the plain request shows it)
-            code, stock, _ = server.post("/inference/v1/generate", _generate_body(server, None, n=2))
-            assert code == 200 and len(stock["choices"]) == 1, stock
-            assert code == 200 and len(doc["choices"]) == 1, doc
-        else:
-            assert code == 200 and len(doc["choices"]) == 2
+        code, doc, _ = server.post("/inference/v1/generate", body)  # unstreamed n=2 is served (0.29+)
+        assert code == 200 and len(doc["choices"]) == 2
         assert all(decode_choice(c).support.exact.all() for c in doc["choices"])
         return
     assert not any("error" in c for c in plain), plain
