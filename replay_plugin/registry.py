@@ -443,11 +443,13 @@ class Registry:
 
 def _tier(spec: PatchSpec, version: str | None) -> str | None:
     """The matrix tier of the installed ``version`` of the spec's upstream (compat.version_tier);
-    ``unsupported`` outside the patch's own range."""
+    ``unsupported`` outside the patch's own range, unless the patch is retired there (a twin of
+    another line, e.g. vllm.served_endpoints_disagg on vLLM 0.25+: ``not-needed`` on a version the
+    matrix supports, whose tier is the upstream's)."""
     if version is None:
         return None
     try:
-        if not compat.version_in(version, spec.versions):
+        if not compat.version_in(version, spec.versions) and not compat.retired_reason(spec.retired, version):
             return "unsupported"
         upstream = compat.load().upstreams.get(spec.upstream)
         return compat.version_tier(upstream, version) if upstream else None
