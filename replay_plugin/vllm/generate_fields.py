@@ -149,7 +149,20 @@ async def _full(wrapped, instance, args, kwargs):
         return response
 
 
-_one_choice_streams: dict[Any, bool] = {}
+_source_checks: dict[tuple[Any, str], bool] = {}
+
+
+def _source_has(method: Any, needle: str, unreadable: bool) -> bool:
+    """Whether ``method``'s own source (unwrapped, newlines as spaces) holds ``needle``; cached per
+    function; ``unreadable`` when its source cannot be read."""
+    function = inspect.unwrap(getattr(method, "__func__", method))
+    key = (function, needle)
+    if key not in _source_checks:
+        try:
+            _source_checks[key] = needle in inspect.getsource(function).replace("\n", " ")
+        except (OSError, TypeError):
+            _source_checks[key] = unreadable
+    return _source_checks[key]
 
 
 def _streams_one_choice(generator: Any) -> bool:
@@ -157,17 +170,7 @@ def _streams_one_choice(generator: Any) -> bool:
     engine output's choices (0.30: ``[0] * len(res.outputs)``; 0.32: ``[0] * sampling_params.n``):
     then a later choice raises ``IndexError`` inside the stream. Unreadable source counts as
     having the bug (a refusal with a fix, never a broken stream)."""
-    function = inspect.unwrap(getattr(generator, "__func__", generator))
-    if function not in _one_choice_streams:
-        try:
-            source = inspect.getsource(function)
-        except (OSError, TypeError):
-            source = "len(res.outputs)"
-        _one_choice_streams[function] = "[0] * len(res.outputs)" in source.replace("\n", " ")
-    return _one_choice_streams[function]
-
-
-_all_choices_unstreamed: dict[Any, bool] = {}
+    return _source_has(generator, "[0] * len(res.outputs)", unreadable=True)
 
 
 def _unstreamed_keeps_every_choice(generator: Any) -> bool:
@@ -177,16 +180,7 @@ def _unstreamed_keeps_every_choice(generator: Any) -> bool:
     ``serve_tokens_full_generator`` builds the response from the last output only: one choice of
     ``n`` (stock vLLM, with or without the plugin). Unreadable source counts as losing them."""
     owner = getattr(getattr(generator, "__self__", None), "serve_tokens", None)
-    if owner is None:
-        return False
-    function = inspect.unwrap(getattr(owner, "__func__", owner))
-    if function not in _all_choices_unstreamed:
-        try:
-            source = inspect.getsource(function)
-        except (OSError, TypeError):
-            source = ""
-        _all_choices_unstreamed[function] = "FINAL_ONLY" in source
-    return _all_choices_unstreamed[function]
+    return owner is not None and _source_has(owner, "FINAL_ONLY", unreadable=False)
 
 
 def _refuse_lost_choices(request: Any, generator: Any) -> None:

