@@ -164,6 +164,17 @@ def _collecting(instance: Any) -> rollout.Rollout | None:
     return target
 
 
+def _collect(var: contextvars.ContextVar[list[Any] | None], wrapped, *args, **kwargs) -> tuple[Any, list[Any]]:
+    """``wrapped(*args, **kwargs)`` with ``var`` holding a fresh list for the inner wrappers of this
+    call (and only this call: reset after, on error too) to append to; the result and that list."""
+    slot: list[Any] = []
+    token = var.set(slot)
+    try:
+        return wrapped(*args, **kwargs), slot
+    finally:
+        var.reset(token)
+
+
 def _generate(wrapped, instance, args, kwargs):
     target = _collecting(instance)
     if target is None:
@@ -171,12 +182,7 @@ def _generate(wrapped, instance, args, kwargs):
     prompts = args[0] if args else kwargs["prompts"]
     if instance.mode == "server":
         return _generate_served(wrapped, instance, args, kwargs, target, prompts)
-    slot: list[Any] = []
-    token = _OUTPUTS.set(slot)
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        _OUTPUTS.reset(token)
+    result, slot = _collect(_OUTPUTS, wrapped, *args, **kwargs)
     if len(slot) != 1:
         raise ReplayDataError(
             "replay_support",
@@ -260,12 +266,7 @@ def _client_generate(wrapped, instance, args, kwargs):
             "read: replay is not available for vision-language prompts; drop the switch for this job",
         )
     call.arguments["generation_kwargs"] = served_generation_kwargs(generation_kwargs)
-    responses: list[Any] = []
-    token = _RESPONSES.set(responses)
-    try:
-        result = wrapped(*call.args, **call.kwargs)
-    finally:
-        _RESPONSES.reset(token)
+    result, responses = _collect(_RESPONSES, wrapped, *call.args, **call.kwargs)
     if len(responses) != 1:
         raise ReplayDataError(
             "replay_support",
@@ -295,12 +296,7 @@ def _generate_served(wrapped, instance, args, kwargs, target: rollout.Rollout, p
     """Server mode: the main process posts every rank's prompts and broadcasts TRL's 4-tuple; the
     rows it decoded go the same way (one more broadcast), then each rank keeps its share as TRL
     does (``process_slice``)."""
-    slot: list[Any] = []
-    token = _SERVED.set(slot)
-    try:
-        result = wrapped(*args, **kwargs)
-    finally:
-        _SERVED.reset(token)
+    result, slot = _collect(_SERVED, wrapped, *args, **kwargs)
     accelerator = instance.accelerator
     completions = slot[0] if slot else None
     if accelerator.num_processes > 1:
