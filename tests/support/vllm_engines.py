@@ -37,19 +37,21 @@ def routes_supported() -> bool:
     hatch, ``cpu_fused_moe.CPUFusedMOE``) selects experts itself and never calls the router's capture
     hook, and the capture buffer is zeroed each step (vLLM #54730 reports it for GPU monolithic
     kernels on 0.26; fixed upstream by #44214); the plugin's ``vllm.monolithic_routes`` refuses such
-    an engine at start, as 0.27 does."""
+    an engine at start, as 0.27 does. The refusal of 0.27-0.29 is the CPU MoE's, whichever runner:
+    0.29 on Model Runner V2 (vllm029mrv2) refuses them at engine start too."""
     import vllm
     from packaging.version import Version
 
-    return Version(vllm.__version__).release[:2] == (0, 30) or os.environ.get("REPLAY_TEST_MRV2") == "1"
+    release = Version(vllm.__version__).release[:2]
+    return release == (0, 30) or (release >= (0, 30) and os.environ.get("REPLAY_TEST_MRV2") == "1")
 
 
 #: Why a routes test skips where routes_supported() is False.
 NO_ROUTES_ON_CPU = (
-    "routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2 (0.24-0.26 return them "
-    "silently all expert 0 and the plugin's vllm.monolithic_routes refuses such an engine at start, "
-    "0.27-0.29 refuse them at engine start themselves, 0.31+ returns them through MRV2's AuxOutput "
-    "connector only)"
+    "routed experts on CPU: vLLM 0.30 on Model Runner V1, or Model Runner V2 on 0.30+ (0.24-0.26 "
+    "return them silently all expert 0 and the plugin's vllm.monolithic_routes refuses such an engine at "
+    "start, 0.27-0.29 refuse them at engine start on either runner, 0.31+ returns them through MRV2's "
+    "AuxOutput connector only)"
 )
 
 

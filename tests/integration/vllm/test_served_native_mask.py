@@ -21,7 +21,7 @@ import os
 import numpy as np
 import pytest
 from support.upstream import need
-from support.vllm_engines import OfflineEngine, serve
+from support.vllm_engines import OfflineEngine, routes_supported, serve
 from test_served import XARGS, _chunk_rows, _completion, _generate_body, _same_rows, server_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -102,7 +102,8 @@ def test_generate_endpoint_rows_equal_vllms_own_mask(mask_server):
     assert code == 200, plain
     assert plain["choices"][0]["sampling_mask"] and "sample_support" not in plain["choices"][0]
 
-    body = _generate_body(mask_server, extra_args={"replay_sample_support": True, "replay_routed_experts": True})
+    routes_on = routes_supported()  # serve() starts the engine with routes where the CPU build returns them
+    body = _generate_body(mask_server, extra_args={"replay_sample_support": True, "replay_routed_experts": routes_on})
     code, doc, _ = mask_server.post("/inference/v1/generate", body)
     assert code == 200, doc
     choice = doc["choices"][0]
@@ -111,12 +112,16 @@ def test_generate_endpoint_rows_equal_vllms_own_mask(mask_server):
     rows = replay.support
     assert rows.exact.all() and rows.sampled.tolist() == choice["token_ids"]
     assert _row_sets(rows) == _mask_sets(choice["sampling_mask"])
-    # routes through MRV2 (the AuxOutput connector from 0.31), compact, one row per scored position
     routes = replay.routed_experts
-    assert routes.dtype == np.uint8 and routes.shape == (len(body["token_ids"]) + len(choice["token_ids"]) - 1, 2, 2)
-    stock_routes = plain["choices"][0]["routed_experts"]
-    assert isinstance(stock_routes, str)  # vLLM's own base64 .npy of the same request
-    assert np.array_equal(np.load(io.BytesIO(base64.b64decode(stock_routes)), allow_pickle=False), routes)
+    if routes_on:
+        # routes through MRV2 (the AuxOutput connector from 0.31), compact, one row per scored position
+        scored = len(body["token_ids"]) + len(choice["token_ids"]) - 1
+        assert routes.dtype == np.uint8 and routes.shape == (scored, 2, 2)
+        stock_routes = plain["choices"][0]["routed_experts"]
+        assert isinstance(stock_routes, str)  # vLLM's own base64 .npy of the same request
+        assert np.array_equal(np.load(io.BytesIO(base64.b64decode(stock_routes)), allow_pickle=False), routes)
+    else:  # 0.29: the CPU MoE refuses routes at engine start (routes_supported)
+        assert routes is None
 
     code, chunks, _ = mask_server.stream("/inference/v1/generate", body)
     assert code == 200
@@ -124,7 +129,10 @@ def test_generate_endpoint_rows_equal_vllms_own_mask(mask_server):
         assert chunk_rows is not None and chunk_rows.sampled.tolist() == tokens and chunk_rows.exact.all()
     streamed = decode_stream(chunks)[0]
     _same_rows(streamed.support, rows)
-    assert np.array_equal(streamed.routed_experts, routes)
+    if routes_on:
+        assert np.array_equal(streamed.routed_experts, routes)
+    else:
+        assert streamed.routed_experts is None
     streamed_mask = [m for ch in chunks for c in ch["choices"] for m in (c.get("sampling_mask") or [])]
     assert streamed_mask == choice["sampling_mask"]
     assert np.asarray(choice["token_ids"]).size == len(streamed_mask)
